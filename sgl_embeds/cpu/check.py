@@ -1,0 +1,32 @@
+"""``python -m sgl_embeds.cpu.check``: prove the environment can run SGLang here.
+
+Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU, and the
+plugin's patch targets; exits non-zero with the reason if anything is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import sgl_kernel
+
+    origin = getattr(sgl_kernel, "__file__", "?")
+    print(f"sgl_kernel: {origin}")
+    import sglang.srt.mem_cache.allocation  # noqa: F401  (imports a CPU op at import time)
+
+    from sgl_embeds.srt import targets
+
+    missing = targets.missing_targets()
+    if missing:
+        print("patch targets missing from the installed SGLang:\n  " + "\n  ".join(missing))
+        return 1
+    print(f"sglang {targets.installed_version()}: all {len(targets.TARGETS)} patch targets present")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

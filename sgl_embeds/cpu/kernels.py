@@ -1,0 +1,70 @@
+"""Reference implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU path calls.
+
+Loaded as the module ``sgl_kernel`` by ``sgl_embeds.cpu.finder``. Each op mirrors the meaning
+of SGLang's Triton kernel of the same name. Any other name imported from here is a stub that
+raises ``NotImplementedError`` naming the op when it is called, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+IMPLEMENTED = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu")
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """For each request i, write its new KV slots into its row of the token pool:
+    ``req_to_token[req_pool_indices[i], start[i]:end[i]] = out_cache_loc[sum_{j<i} len_j : +len_i]``."""
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    rows = req_pool_indices.tolist()
+    offset = 0
+    for row, start, end in zip(rows, starts, ends):
+        n = end - start
+        if n > 0:
+            req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
+        offset += n
+
+
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """For each buffer b (base address ``data_ptrs[b]``, ``strides[b]`` bytes a row), copy the rows
+    ``src_loc`` onto the rows ``tgt_loc``; all sources are read before any target is written."""
+    if src_loc.numel() == 0:
+        return
+    src = src_loc.to(torch.int64).numpy()
+    tgt = tgt_loc.to(torch.int64).numpy()
+    rows = int(max(src.max(), tgt.max())) + 1
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (rows * stride)).from_address(ptr)
+        buf = np.frombuffer(raw, dtype=np.uint8).reshape(rows, stride)
+        buf[tgt] = buf[src]  # fancy indexing gathers a copy first: safe in place
+
+
+def _missing(name: str) -> Callable[..., Any]:
+    def op(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not implemented by sgl_embeds' CPU fallback "
+            "(install the real sgl_kernel build for this op)"
+        )
+
+    op.__name__ = name
+    return op
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _missing(name)

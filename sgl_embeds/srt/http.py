@@ -1,0 +1,141 @@
+"""HTTP side: span prompts on ``/generate`` (the OpenAI routes plug in through ``ROUTES``).
+
+An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at
+``POST/PUT /generate`` bodies. A body without span fields goes on to the stock route untouched.
+A body with ``input_segments`` or ``input_embeds`` is decoded and validated here (HTTP 400 with
+the reason on any problem), turned into ``input_ids`` + ``positional_embed_overrides``, and served
+by SGLang's own ``serve_generate_request``. Decoding and hashing run in a worker thread so a
+large payload does not stall the event loop for other clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+from sgl_embeds.srt import prompts
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[dict, Any], Awaitable[Any]]
+ROUTES: dict[str, Handler] = {}
+
+
+def max_body_bytes() -> int:
+    """Largest request body read for span detection (``SGL_EMBEDS_MAX_BODY_BYTES``)."""
+    return int(os.environ.get("SGL_EMBEDS_MAX_BODY_BYTES", 1 << 30))
+
+
+def error_response(message: str, status: int = 400) -> Any:
+    from fastapi.responses import ORJSONResponse
+
+    return ORJSONResponse(
+        status_code=status,
+        content={"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status},
+    )
+
+
+def tokenizer_manager() -> Any:
+    from sglang.srt.entrypoints.http_server import _global_state
+
+    return _global_state.tokenizer_manager
+
+
+async def generate_route(body: dict, request: Any) -> Any:
+    from sglang.srt.entrypoints.http_server import serve_generate_request
+
+    spec = prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
+    try:
+        obj = await asyncio.to_thread(prompts.make_generate_req, body, spec)
+    except ValueError as e:
+        return error_response(str(e))
+    return await serve_generate_request(obj, request)
+
+
+ROUTES["/generate"] = generate_route
+
+
+class SpanMiddleware:
+    """Routes requests that carry span fields to our handlers; everything else passes through."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        handler = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if handler is None or scope.get("method") not in ("POST", "PUT"):
+            return await self.app(scope, receive, send)
+        body, too_big = await _read_body(receive, max_body_bytes())
+        if too_big:
+            response = error_response(f"request body exceeds the limit of {max_body_bytes()} bytes", 413)
+            return await response(scope, receive, send)
+        replay = _replay(body, receive)
+        payload = _parse_json(body)
+        if not isinstance(payload, dict) or not prompts.has_span_fields(payload):
+            return await self.app(scope, replay, send)
+        from starlette.requests import Request
+
+        try:
+            response = await handler(payload, Request(scope, replay))
+        except ValueError as e:
+            response = error_response(str(e))
+        await response(scope, replay, send)
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the stock route reports malformed JSON its own way
+
+
+async def _read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return b"", True
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A ``receive`` that hands the already-read body over once, then defers to the real one
+    (so disconnects are still seen by streaming responses)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def install(app: Any) -> None:
+    """Add the middleware innermost, once (later ``add_middleware`` calls insert outside it)."""
+    from starlette.middleware import Middleware
+
+    if any(m.cls is SpanMiddleware for m in app.user_middleware):
+        return
+    app.user_middleware.append(Middleware(SpanMiddleware))
+    logger.info("sgl_embeds: span prompts enabled on %s", ", ".join(sorted(ROUTES)))
+
+
+def before_launch_server(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``http_server.launch_server``: install the middleware on SGLang's app."""
+    from sglang.srt.entrypoints.http_server import app
+
+    install(app)

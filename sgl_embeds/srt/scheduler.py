@@ -1,0 +1,63 @@
+"""Scheduler-side hooks: span prompts keep the radix cache, placeholder ids never reach the vocab.
+
+Stock SGLang treats any ``positional_embed_overrides`` as uncacheable (the same ids could carry
+different vectors). Ours cannot collide: every overridden position holds a placeholder id that is
+a content hash of its row, so the ids alone determine the KV and the cache can stay on. A request
+counts as ours only when *all* its override positions hold placeholder ids; any other overrides
+keep stock behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sgl_embeds.segments import PLACEHOLDER_BASE
+
+_FLAG = "_sgl_embeds_span_prompt"
+
+
+def is_span_prompt(req: Any) -> bool:
+    return getattr(req, _FLAG, False)
+
+
+def _mark(req: Any) -> bool:
+    pe = req.positional_embed_overrides
+    ids = req.origin_input_ids
+    ours = pe is not None and bool(pe.positions) and all(ids[p] >= PLACEHOLDER_BASE for p in pe.positions)
+    setattr(req, _FLAG, ours)
+    return ours
+
+
+def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``Req.__init__``: undo the stock cache opt-out for span prompts."""
+    original(self, *args, **kwargs)
+    if _mark(self):
+        # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
+        from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST
+
+        self.skip_radix_cache_insert = self.bootstrap_host == FAKE_BOOTSTRAP_HOST
+
+
+def req_init_next_round_input(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Match span prompts against the radix cache: hide the overrides from the stock opt-out."""
+    if not is_span_prompt(self):
+        return original(self, *args, **kwargs)
+    overrides = self.positional_embed_overrides
+    self.positional_embed_overrides = None
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        self.positional_embed_overrides = overrides
+
+
+def prepare_for_extend(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """After the extend batch is built: placeholder ids become 0 for the embedding lookup.
+
+    The real rows are scattered over those positions (``replace_embeds``) by the model runner;
+    this keeps an out-of-vocab id from ever indexing the embedding table.
+    """
+    result = original(self, *args, **kwargs)
+    ids = self.prefill_input_ids_cpu
+    if self.replace_positions is not None and ids is not None:
+        ids.masked_fill_(ids >= PLACEHOLDER_BASE, 0)
+    return result

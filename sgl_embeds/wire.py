@@ -1,0 +1,179 @@
+"""Tensor <-> JSON wire format, shared by the client and the server.
+
+Two encodings of an ``[n, hidden]`` tensor are accepted:
+
+* nested JSON float lists (``[[0.1, ...], ...]``; a flat list is one row);
+* a binary object ``{"data": <base64 of raw little-endian bytes>, "dtype": "float32" |
+  "float16" | "bfloat16", "shape": [n, hidden]}``.
+
+Decoding never unpickles and never calls ``torch.load``: bytes become a tensor only through
+``torch.frombuffer`` with a dtype from a fixed table. Every size is checked against a byte budget
+*before* anything is allocated, so a tiny payload that declares a huge shape costs nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # per tensor, as decoded float32
+MAX_ROWS = 1 << 20
+
+
+class WireError(ValueError):
+    """A tensor payload that cannot be decoded; the message says what is wrong."""
+
+
+def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
+    """Encode a ``[n, hidden]`` (or ``[hidden]``) tensor-like for the wire.
+
+    ``fmt="base64"`` gives the binary object (``dtype`` defaults to the tensor's own dtype when it
+    is one of float32/float16/bfloat16, else float32); ``fmt="json"`` gives nested float lists.
+    """
+    t = as_2d_tensor(x)
+    if fmt == "json":
+        return t.to(torch.float32).tolist()
+    if fmt != "base64":
+        raise ValueError(f"unknown wire format {fmt!r}: use 'base64' or 'json'")
+    name = dtype or DTYPE_NAMES.get(t.dtype, "float32")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: use one of {sorted(DTYPES)}")
+    t = t.detach().to("cpu", DTYPES[name]).contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        raw = _byteswap(raw, t.element_size())
+    return {"data": base64.b64encode(raw).decode("ascii"), "dtype": name, "shape": list(t.shape)}
+
+
+def as_2d_tensor(x: Any) -> torch.Tensor:
+    """A client-side tensor-like (torch, numpy, nested lists) as a 2-D tensor, with clear errors."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+    elif isinstance(x, np.ndarray):
+        if x.dtype.kind not in "fiu":
+            raise ValueError(f"embeddings must be numeric, got a numpy array of dtype {x.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, (list, tuple)):
+        t = decode_json_lists(list(x), DEFAULT_MAX_BYTES)
+    else:
+        raise ValueError(f"embeddings must be a tensor, array or nested list, got {type(x).__name__}")
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise ValueError(f"embeddings must have shape [n, hidden] or [hidden], got {list(t.shape)}")
+    if not t.is_floating_point():
+        t = t.to(torch.float32)
+    return t
+
+
+def decode_tensor(obj: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):  # in-process callers (Engine), never JSON
+        t = as_2d_tensor(obj)
+        if t.numel() * 4 > max_bytes:
+            raise WireError(f"embeddings of shape {list(t.shape)} exceed the size limit of {max_bytes} bytes")
+    elif isinstance(obj, dict):
+        t = decode_binary(obj, max_bytes)
+    elif isinstance(obj, list):
+        t = decode_json_lists(obj, max_bytes)
+    else:
+        raise WireError(
+            "embeddings must be nested float lists or an object {data, dtype, shape}, "
+            f"got {type(obj).__name__}"
+        )
+    check_tensor(t)
+    return t
+
+
+def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
+    unknown = set(obj) - {"data", "dtype", "shape", "encoding"}
+    if unknown:
+        raise WireError(f"unknown keys in binary embeddings: {sorted(unknown)}")
+    if obj.get("encoding", "base64") != "base64":
+        raise WireError(f"unknown encoding {obj.get('encoding')!r}: only 'base64' is supported")
+    name = obj.get("dtype")
+    if name not in DTYPES:
+        raise WireError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
+    shape = obj.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) not in (1, 2)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"shape must be [n, hidden] or [hidden] of non-negative ints, got {shape!r}")
+    if len(shape) == 1:
+        shape = [1, shape[0]]
+    itemsize = torch.empty((), dtype=DTYPES[name]).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if math.prod(shape) * 4 > max_bytes:
+        raise WireError(f"embeddings of shape {shape} exceed the size limit of {max_bytes} bytes")
+    data = obj.get("data")
+    if not isinstance(data, str):
+        raise WireError("binary embeddings need 'data' as a base64 string")
+    if len(data) != 4 * math.ceil(nbytes / 3):
+        raise WireError(
+            f"base64 data of {len(data)} chars cannot hold shape {shape} of {name} "
+            f"({nbytes} bytes = {4 * math.ceil(nbytes / 3)} base64 chars)"
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise WireError(f"malformed base64 in embeddings data: {e}") from None
+    if len(raw) != nbytes:
+        raise WireError(f"data holds {len(raw)} bytes but shape {shape} of {name} needs {nbytes}")
+    if sys.byteorder != "little":  # pragma: no cover
+        raw = _byteswap(raw, itemsize)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=DTYPES[name])
+    return torch.frombuffer(bytearray(raw), dtype=DTYPES[name]).reshape(shape)
+
+
+def decode_json_lists(obj: list, max_bytes: int) -> torch.Tensor:
+    """Nested lists -> float32 tensor; rows must be equally long lists of plain numbers."""
+    if not obj:
+        raise WireError("empty embeddings: a span needs at least one row")
+    rows = obj if isinstance(obj[0], (list, tuple)) else [obj]
+    width = len(rows[0])
+    if len(rows) * width * 4 > max_bytes:
+        raise WireError(f"embeddings of {len(rows)} x {width} exceed the size limit of {max_bytes} bytes")
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)):
+            raise WireError(f"row {i} is a {type(row).__name__}, expected a list of numbers")
+        if len(row) != width:
+            raise WireError(f"ragged embeddings: row {i} has {len(row)} values, row 0 has {width}")
+        for v in row:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise WireError(f"row {i} holds a {type(v).__name__}, expected numbers only")
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def check_tensor(t: torch.Tensor, hidden_size: int | None = None) -> None:
+    """Shape and value checks that hold for every span, whatever the encoding."""
+    if t.dim() != 2:
+        raise WireError(f"embeddings must be 2-D [n, hidden], got shape {list(t.shape)}")
+    n, h = t.shape
+    if n == 0 or h == 0:
+        raise WireError(f"empty embeddings: shape {list(t.shape)} has no rows or no columns")
+    if n > MAX_ROWS:
+        raise WireError(f"a span of {n} rows exceeds the limit of {MAX_ROWS}")
+    if hidden_size is not None and h != hidden_size:
+        raise WireError(f"embeddings have hidden size {h} but the model's hidden size is {hidden_size}")
+    if not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0])
+        raise WireError(f"embeddings contain NaN or Inf (first in row {bad})")
+
+
+def _byteswap(raw: bytes, itemsize: int) -> bytes:  # pragma: no cover
+    return np.frombuffer(raw, dtype=np.dtype(f"u{itemsize}")).byteswap().tobytes()
