@@ -1,0 +1,169 @@
+"""Start and stop real SGLang servers (and in-process Engines) with the CPU launch defaults.
+
+The CPU defaults live here, in one place: ``--sleep-on-idle`` (without it the idle scheduler
+busy-loops a core and starves a 2-core machine), torch-native attention, no CUDA graph, no overlap
+schedule, float32, and a thread count per process that leaves the cores to the model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+READY_TIMEOUT_S = 240.0
+
+
+def cpu_launch_args(dtype: str = "float32") -> list[str]:
+    return [
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+        "--disable-overlap-schedule", "--dtype", dtype, "--sleep-on-idle",
+    ]
+
+
+def cpu_env(threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    n = str(threads or os.cpu_count() or 1)
+    env.setdefault("OMP_NUM_THREADS", n)
+    env.setdefault("MKL_NUM_THREADS", n)
+    return env
+
+
+def on_cpu() -> bool:
+    """CPU unless a CUDA device is usable (the same tests then run on the GPU)."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def default_launch_args(dtype: str = "float32") -> list[str]:
+    return cpu_launch_args(dtype) if on_cpu() else ["--dtype", dtype]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class Server:
+    """A ``python -m sglang.launch_server`` child on 127.0.0.1, stopped by its own pid."""
+
+    model_dir: Path
+    extra_args: list[str] = field(default_factory=list)
+    port: int = 0
+    dtype: str = "float32"
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> "Server":
+        if not Path(self.model_dir, "config.json").exists():
+            raise ServerStartError(f"model dir {self.model_dir} has no config.json")
+        self.port = self.port or free_port()
+        if port_in_use(self.port):
+            raise ServerStartError(f"port {self.port} on 127.0.0.1 is already in use")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *default_launch_args(self.dtype), *self.extra_args,
+        ]
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
+        log.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"server exited with code {self.proc.returncode} during startup\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200 and self._fired_up():
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"server not ready after {timeout:.0f} s\n{self.log_tail()}")
+
+    def _fired_up(self) -> bool:
+        return "fired up and ready to roll" in self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"--- last {len(tail)} lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the server's whole process group (its scheduler/detokenizer children too)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)  # the server stops its own children
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        try:  # anything of its session that outlived it (same group: started by us)
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def generate(self, body: dict, timeout: float = 120) -> requests.Response:
+        return requests.post(self.url + "/generate", json=body, timeout=timeout)
+
+
+def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
+    """An in-process ``sglang.Engine`` with the same launch defaults."""
+    os.environ.update({k: v for k, v in cpu_env().items() if k.startswith(("SGLANG_", "HF_", "TRANSFORMERS_"))})
+    import sglang as sgl
+
+    opts: dict[str, Any] = dict(model_path=str(model_dir), dtype=dtype, log_level="error")
+    if on_cpu():
+        opts.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    disable_overlap_schedule=True, sleep_on_idle=True)
+    opts.update(kwargs)
+    return sgl.Engine(**opts)
