@@ -73,11 +73,3 @@ def test_size_limit_is_checked_before_decoding():
 def test_hidden_size_is_checked():
     with pytest.raises(wire.WireError, match="hidden size 5 but the model's hidden size is 64"):
         wire.check_tensor(torch.zeros(2, 5), hidden_size=64)
-
-
-def test_decoder_never_unpickles():
-    import inspect
-
-    source = inspect.getsource(wire)
-    for forbidden in ("pickle", "torch.load", "np.load", "eval("):
-        assert forbidden not in source.replace("unpickles", "").replace("unpickle", ""), forbidden

@@ -1,0 +1,40 @@
+"""Small request builders shared by the server tests."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_embeds import wire
+from sgl_embeds.testing import reference as ref
+
+GREEDY = {"temperature": 0.0}
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def span(x: torch.Tensor, fmt: str = "base64", dtype: str | None = None) -> dict:
+    return {"type": "embeds", "embeds": wire.encode_tensor(x, fmt, dtype)}
+
+
+def body(segments: list, max_new_tokens: int = 8, **extra) -> dict:
+    return {"input_segments": segments, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}, **extra}
+
+
+def generate(server, payload: dict) -> dict:
+    r = server.generate(payload)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reference_embeds(model_dir, parts: list) -> torch.Tensor:
+    """The concatenated embeddings the model sees for a list of str / tensor parts."""
+    rows = []
+    for i, p in enumerate(parts):
+        rows.append(ref.text_embeds(model_dir, p, first=(i == 0)) if isinstance(p, str) else p.float())
+    return torch.cat(rows)
+
+
+def to_segments(parts: list, fmt: str = "base64") -> list:
+    return [text(p) if isinstance(p, str) else span(p, fmt) for p in parts]
