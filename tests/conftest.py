@@ -13,6 +13,7 @@ from sgl_embeds.testing.server import Server
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
+                    "--schedule-conservativeness", "0.01",
                     "--page-size", "1"]
 
 
