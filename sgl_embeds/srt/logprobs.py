@@ -1,8 +1,9 @@
-"""Tokenizer-manager side: logprob entries of span rows come back as ``null``.
+"""Tokenizer-manager side: input logprob entries at span rows come back as ``null``.
 
 The "token" at a span row is a placeholder id, not a vocabulary entry: it has no logprob and no
-text. Any (logprob, id, text) entry whose id is a placeholder becomes (None, None, None) before
-SGLang would try to detokenize it.
+text (the scheduler clamps it to a valid id only so the logprob gather cannot go out of range).
+Entry ``j`` of ``input_token_logprobs`` belongs to prompt position ``logprob_start_len + j``; an
+entry whose position holds a placeholder id becomes ``[None, None, None]``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from typing import Any, Callable
 from sgl_embeds.segments import PLACEHOLDER_BASE
 
 
-def detokenize_logprob_tokens(original: Callable, self: Any, vals: list, idxs: list, decode_to_text: bool) -> list:
-    if not any(i is not None and i >= PLACEHOLDER_BASE for i in idxs):
-        return original(self, vals, idxs, decode_to_text)
-    keep = [k for k, i in enumerate(idxs) if i is None or i < PLACEHOLDER_BASE]
-    decoded = iter(original(self, [vals[k] for k in keep], [idxs[k] for k in keep], decode_to_text))
-    kept = set(keep)
-    return [next(decoded) if k in kept else (None, None, None) for k in range(len(idxs))]
+def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, meta_info, state, *args, **kwargs)
+    ids = getattr(state.obj, "input_ids", None)
+    entries = meta_info.get("input_token_logprobs")
+    if not entries or not ids or getattr(state.obj, "positional_embed_overrides", None) is None:
+        return result
+    start = state.obj.logprob_start_len if (state.obj.logprob_start_len or 0) > 0 else 0
+    for j in range(len(entries)):
+        pos = start + j
+        if pos < len(ids) and ids[pos] >= PLACEHOLDER_BASE:
+            entries[j] = (None, None, None)
+    return result

@@ -22,7 +22,7 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     f"{_SB}.Req.__init__": ("AROUND", "scheduler:req_init", ("skip_radix_cache_insert", "positional_embed_overrides")),
     f"{_SB}.Req.init_next_round_input": ("AROUND", "scheduler:req_init_next_round_input", ("positional_embed_overrides", "token_ids_to_match")),
     f"{_SB}.ScheduleBatch.prepare_for_extend": ("AROUND", "scheduler:prepare_for_extend", ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides")),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.detokenize_logprob_tokens": ("AROUND", "logprobs:detokenize_logprob_tokens", ("batch_decode",)),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.add_logprob_to_meta_info": ("AROUND", "logprobs:add_logprob_to_meta_info", ('meta_info["input_token_logprobs"]',)),
     f"{_ENGINE}.generate": ("AROUND", "engine:generate", ("tokenizer_manager.generate_request",)),
     f"{_ENGINE}.async_generate": ("AROUND", "engine:async_generate", ("tokenizer_manager.generate_request",)),
 }
