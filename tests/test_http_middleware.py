@@ -1,0 +1,73 @@
+"""The HTTP middleware in-process (no server): pass-through, body limit, routing of span bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from sgl_embeds.srt import http
+
+
+def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
+    sent, seen = [], {}
+    chunks = [body[i : i + 7] for i in range(0, len(body), 7)] or [b""]
+
+    async def receive():
+        if chunks:
+            c = chunks.pop(0)
+            return {"type": "http.request", "body": c, "more_body": bool(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "path": path, "method": method, "headers": [], "query_string": b""}
+    asyncio.run(mw(scope, receive, send))
+    return sent, seen
+
+
+class _App:
+    def __init__(self):
+        self.bodies = []
+
+    async def __call__(self, scope, receive, send):
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        self.bodies.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"stock"})
+
+
+def test_bodies_without_span_fields_reach_the_stock_route_intact():
+    app = _App()
+    payload = json.dumps({"text": "hello", "sampling_params": {}}).encode()
+    sent, _ = _call(http.SpanMiddleware(app), payload)
+    assert app.bodies == [payload] and sent[-1]["body"] == b"stock"
+    _call(http.SpanMiddleware(app), b"{broken")
+    assert app.bodies[-1] == b"{broken"
+    _call(http.SpanMiddleware(app), b'{"input_segments": 1}', path="/health", method="GET")
+    assert app.bodies[-1] == b'{"input_segments": 1}'
+
+
+def test_a_body_over_the_limit_gets_413_without_reaching_the_app(monkeypatch):
+    monkeypatch.setenv("SGL_EMBEDS_MAX_BODY_BYTES", "20")
+    app = _App()
+    sent, _ = _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0, 2.0, 3.0, 4.0]]}')
+    assert not app.bodies
+    assert sent[0]["status"] == 413 and b"exceeds the limit of 20 bytes" in sent[-1]["body"]
+
+
+def test_span_bodies_go_to_the_registered_handler(monkeypatch):
+    calls = []
+
+    async def handler(body, request):
+        calls.append(body)
+        return http.error_response("handled", 400)
+
+    monkeypatch.setitem(http.ROUTES, "/generate", handler)
+    app = _App()
+    sent, _ = _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}')
+    assert calls == [{"input_embeds": [[1.0]]}] and not app.bodies and sent[0]["status"] == 400
