@@ -1,35 +1,34 @@
-"""Make ``sgl_embeds.cpu.kernels`` importable as ``sgl_kernel`` where no real one is installed.
+"""Make ``sgl_embeds/cpu/kernels.py`` importable as ``sgl_kernel`` where no real one is installed.
 
-Installed by a ``.pth`` file that ``scripts/setup.sh`` writes, so that every SGLang process
-(server, scheduler, detokenizer) sees it. The finder sits *last* on ``sys.meta_path``: a real
-``sgl_kernel`` found by the normal finders always wins. Kept import-light (no torch).
+Run at interpreter start-up by a ``.pth`` file that ``scripts/setup.sh`` writes (by path, so it
+imports nothing of ``sgl_embeds`` itself), so every SGLang process sees it. The finder sits
+*last* on ``sys.meta_path``: a real ``sgl_kernel`` found by the normal finders always wins.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 
-_ALIASES = {"sgl_kernel": "sgl_embeds.cpu.kernels", "sgl_kernel.mamba": "sgl_embeds.cpu.kernels"}
+_KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+_NAMES = ("sgl_kernel", "sgl_kernel.mamba")
 
 
-class _FallbackFinder(importlib.abc.MetaPathFinder):
+class FallbackKernelFinder(importlib.abc.MetaPathFinder):
+    sgl_embeds_fallback = True
+
     def find_spec(self, fullname, path=None, target=None):  # type: ignore[override]
-        real = _ALIASES.get(fullname)
-        if real is None:
+        if fullname not in _NAMES:
             return None
-        spec = importlib.util.find_spec(real)
-        if spec is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            fullname, spec.origin, submodule_search_locations=[] if fullname == "sgl_kernel" else None
-        )
+        package = [] if fullname == "sgl_kernel" else None
+        return importlib.util.spec_from_file_location(fullname, _KERNELS, submodule_search_locations=package)
 
 
 def install() -> None:
-    if not any(isinstance(f, _FallbackFinder) for f in sys.meta_path):
-        sys.meta_path.append(_FallbackFinder())
+    if not any(getattr(f, "sgl_embeds_fallback", False) for f in sys.meta_path):
+        sys.meta_path.append(FallbackKernelFinder())
 
 
 install()

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from sgl_embeds import wire
 from sgl_embeds.srt import prompts
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,20 @@ async def generate_route(body: dict, request: Any) -> Any:
 
 
 ROUTES["/generate"] = generate_route
+INFO_PATH = "/sgl_embeds/info"
+
+
+def info() -> dict:
+    """What a client needs to check spans before sending them."""
+    from importlib.metadata import version
+
+    spec = prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
+    return {
+        "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
+        "vocab_size": spec.vocab_size, "context_len": spec.context_len,
+        "max_span_bytes": prompts.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
+        "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
+    }
 
 
 class SpanMiddleware:
@@ -66,6 +81,10 @@ class SpanMiddleware:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope.get("path") == INFO_PATH and scope.get("method") == "GET":
+            from fastapi.responses import ORJSONResponse
+
+            return await ORJSONResponse(info())(scope, receive, send)
         handler = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if handler is None or scope.get("method") not in ("POST", "PUT"):
             return await self.app(scope, receive, send)

@@ -30,6 +30,12 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 HTTP_HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     f"{_HTTP}.launch_server": ("BEFORE", "http:before_launch_server", ()),
 }
+# Frontend (client-side) hooks, applied when ``sgl_embeds`` is imported.
+_EXEC = "sglang.lang.interpreter.StreamExecutor"
+LANG_HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    f"{_EXEC}._execute": ("AROUND", "lang:execute", ("SglImage", "Unknown type")),
+    f"{_EXEC}.fork": ("AROUND", "lang:fork", ("images_", "text_")),
+}
 RELIED_ON: dict[str, tuple[str, ...]] = {
     f"{_HTTP}.serve_generate_request": ("tokenizer_manager.generate_request",),
     f"{_HTTP}.app": (),
@@ -38,8 +44,11 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     f"{_SB}.FAKE_BOOTSTRAP_HOST": (),
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs": ("replace_embeds", "replace_positions"),
     "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item": ("positional_embed_overrides[i]",),
+    "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images": ('data["image_data"]',),
+    "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint.select": ("_generate_http_request", "input_token_logprobs"),
+    "sglang.lang.interpreter.StreamExecutor._execute_fill": ("self.text_ += value",),
 }
-TARGETS = {**HOOKS, **HTTP_HOOKS, **{k: ("", "", v) for k, v in RELIED_ON.items()}}
+TARGETS = {**HOOKS, **HTTP_HOOKS, **LANG_HOOKS, **{k: ("", "", v) for k, v in RELIED_ON.items()}}
 
 
 def installed_version() -> str:

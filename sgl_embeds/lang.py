@@ -1,0 +1,207 @@
+"""DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hook.
+
+A span enters the program's text as a *marker*: ``\\ue000<k>\\ue001`` (Unicode private-use
+characters around a per-program key), with the tensor kept in the executor's span table. Markers
+ride along everything SGLang's interpreter does to text (roles and chat templates, ``fork``,
+``gen``/``select`` prefixes), and the backend splits the text at them into segments
+(``compile_segments``). ``fork`` copies the span table to every branch.
+
+With a backend that has a ``vision_encoder``, ``sgl.image(...)`` is encoded client-side into a
+span too, so VLM-style programs run on a text-only LLM plus the developer's own vision tower.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import sglang as sgl
+import torch
+from sglang.lang.ir import SglExpr, SglImage
+
+from sgl_embeds import segments as seg
+from sgl_embeds import wire
+
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+_MARKER = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
+_TABLE = "_sgl_embeds_spans"
+_IMAGES = "_sgl_embeds_images"
+
+
+class SglEmbeds(SglExpr):
+    """A span of precomputed embeddings, ``[n, hidden]``."""
+
+    def __init__(self, tensor: torch.Tensor):
+        super().__init__()
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"SglEmbeds(shape={list(self.tensor.shape)})"
+
+
+class SglRegion(SglExpr):
+    """The embeddings of a box of an image, computed when the program runs."""
+
+    def __init__(self, box: Sequence[float], image: Any = None, encoder: Callable | None = None):
+        super().__init__()
+        self.box, self.image, self.encoder = tuple(box), image, encoder
+
+    def __repr__(self) -> str:
+        return f"SglRegion(box={self.box})"
+
+
+def embeds(x: Any) -> SglEmbeds:
+    """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or ``[hidden]``."""
+    t = wire.as_2d_tensor(x)
+    wire.check_tensor(t)
+    return SglEmbeds(t.detach().cpu())
+
+
+def region(box: Sequence[float], image: Any = None, encoder: Callable | None = None) -> SglRegion:
+    """The embeddings of ``box`` of ``image`` (default: the program's last ``sgl.image``).
+
+    ``box`` is ``(x0, y0, x1, y1)``: ints are pixels, floats in [0, 1] are fractions of the image
+    size (see ``vision.to_pixel_box``). ``encoder`` defaults to the backend's ``vision_encoder``.
+    """
+    from sgl_embeds.vision import check_box_form
+
+    check_box_form(box)
+    return SglRegion(box, image, encoder)
+
+
+def span_table(executor: Any) -> dict[int, torch.Tensor]:
+    table = getattr(executor, _TABLE, None)
+    if table is None:
+        table = {}
+        setattr(executor, _TABLE, table)
+    return table
+
+
+def add_span(executor: Any, tensor: torch.Tensor) -> None:
+    table = span_table(executor)
+    key = len(table)
+    table[key] = tensor
+    executor._execute_fill(f"{MARK_OPEN}{key}{MARK_CLOSE}")
+
+
+def compile_segments(text: str, table: dict[int, torch.Tensor]) -> seg.Prompt:
+    """Split program text at span markers into a segment list."""
+    prompt = seg.Prompt()
+    pos = 0
+    for m in _MARKER.finditer(text):
+        prompt.append(seg.Text(text[pos : m.start()]))
+        key = int(m.group(1))
+        if key not in table:
+            raise ValueError(f"span marker {key} has no tensor in this program state")
+        prompt.append(seg.Embeds(table[key]))
+        pos = m.end()
+    prompt.append(seg.Text(text[pos:]))
+    return prompt
+
+
+def has_markers(text: str) -> bool:
+    return MARK_OPEN in text
+
+
+def _execute_region(executor: Any, expr: SglRegion) -> None:
+    from sgl_embeds.vision import encode_region, load_image
+
+    image = expr.image
+    if image is None:
+        images = getattr(executor, _IMAGES, [])
+        if not images:
+            raise ValueError("sgl.region needs an image: pass image=... or put sgl.image(...) before it")
+        image = images[-1]
+    encoder = expr.encoder or getattr(executor.backend, "vision_encoder", None)
+    if encoder is None:
+        raise ValueError("sgl.region needs a VisionEncoder: pass encoder=... or give the backend one")
+    add_span(executor, encode_region(load_image(image), expr.box, encoder))
+
+
+def _execute_image(executor: Any, expr: SglImage) -> None:
+    from sgl_embeds.vision import load_image
+
+    image = load_image(expr.path)
+    images = getattr(executor, _IMAGES, None)
+    if images is None:
+        images = []
+        setattr(executor, _IMAGES, images)
+    images.append(image)
+    encoder = getattr(executor.backend, "vision_encoder", None)
+    add_span(executor, encoder(image))
+
+
+def execute(original: Callable, self: Any, other: Any) -> Any:
+    """AROUND hook of ``StreamExecutor._execute``: our nodes, and images for encoder backends."""
+    if isinstance(other, SglEmbeds):
+        return add_span(self, other.tensor)
+    if isinstance(other, SglRegion):
+        return _execute_region(self, other)
+    if isinstance(other, SglImage) and getattr(self.backend, "vision_encoder", None) is not None:
+        return _execute_image(self, other)
+    return original(self, other)
+
+
+def fork(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``StreamExecutor.fork``: every branch sees the parent's spans and images."""
+    children = original(self, *args, **kwargs)
+    for child in children:
+        setattr(child, _TABLE, dict(span_table(self)))
+        setattr(child, _IMAGES, list(getattr(self, _IMAGES, [])))
+    return children
+
+
+def program_segments(state: Any) -> list[seg.Segment]:
+    """The segments a program state would send next (text and spans), for inspection and tests."""
+    executor = getattr(state, "stream_executor", state)
+    executor.sync()
+    return compile_segments(executor.text_, span_table(executor)).segments
+
+
+def compile_program(program: Any, **arguments: Any) -> list[list[seg.Segment]]:
+    """Run ``program`` offline and return the segment list it would send at each ``gen`` and
+    ``select`` (generations come back empty, selects pick the first choice), then its final
+    segments. No server is contacted; for inspection and tests."""
+    from sglang.lang.backend.base_backend import BaseBackend
+    from sglang.lang.chat_template import get_chat_template
+
+    sent: list[list[seg.Segment]] = []
+
+    class Recorder(BaseBackend):
+        vision_encoder = None
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.chat_template = get_chat_template("default")
+
+        def _record(self, s: Any) -> None:
+            sent.append(compile_segments(s.text_, span_table(s)).segments)
+
+        def generate(self, s: Any, sampling_params: Any) -> tuple[str, dict]:
+            self._record(s)
+            return "", {}
+
+        def select(self, s: Any, choices: list, temperature: float, choices_method: Any) -> Any:
+            from sglang.lang.choices import ChoicesDecision
+
+            self._record(s)
+            return ChoicesDecision(decision=choices[0], meta_info={})
+
+    state = program.run(backend=Recorder(), **arguments)
+    executor = state.stream_executor
+    executor.sync()
+    return sent + [compile_segments(executor.text_, span_table(executor)).segments]
+
+
+def install() -> None:
+    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the interpreter (once)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_embeds.srt import targets
+
+    if getattr(sgl, "embeds", None) is embeds:
+        return
+    sgl.embeds, sgl.region = embeds, region
+    for target, (kind, ref, _) in targets.LANG_HOOKS.items():
+        HookRegistry.register(target, globals()[ref.split(":")[1]], HookType[kind])
+    HookRegistry.apply_hooks()
