@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import sglang as sgl
 import torch
-from sglang.lang.ir import SglExpr, SglImage
+from sglang.lang.ir import SglArgument, SglExpr, SglImage
 
 from sgl_embeds import segments as seg
 from sgl_embeds import wire
@@ -44,7 +44,7 @@ class SglRegion(SglExpr):
 
     def __init__(self, box: Sequence[float], image: Any = None, encoder: Callable | None = None):
         super().__init__()
-        self.box, self.image, self.encoder = tuple(box), image, encoder
+        self.box, self.image, self.encoder = box, image, encoder
 
     def __repr__(self) -> str:
         return f"SglRegion(box={self.box})"
@@ -52,6 +52,8 @@ class SglRegion(SglExpr):
 
 def embeds(x: Any) -> SglEmbeds:
     """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or ``[hidden]``."""
+    if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
+        return SglEmbeds(x)
     t = wire.as_2d_tensor(x)
     wire.check_tensor(t)
     return SglEmbeds(t.detach().cpu())
@@ -65,7 +67,8 @@ def region(box: Sequence[float], image: Any = None, encoder: Callable | None = N
     """
     from sgl_embeds.vision import check_box_form
 
-    check_box_form(box)
+    if not isinstance(box, SglArgument):
+        check_box_form(box)
     return SglRegion(box, image, encoder)
 
 
@@ -118,17 +121,13 @@ def _execute_region(executor: Any, expr: SglRegion) -> None:
     add_span(executor, encode_region(load_image(image), expr.box, encoder))
 
 
-def _execute_image(executor: Any, expr: SglImage) -> None:
-    from sgl_embeds.vision import load_image
-
-    image = load_image(expr.path)
+def _remember_image(executor: Any, source: Any) -> None:
+    """Keep the source of every ``sgl.image`` (loaded only if a region asks for it)."""
     images = getattr(executor, _IMAGES, None)
     if images is None:
         images = []
         setattr(executor, _IMAGES, images)
-    images.append(image)
-    encoder = getattr(executor.backend, "vision_encoder", None)
-    add_span(executor, encoder(image))
+    images.append(source)
 
 
 def execute(original: Callable, self: Any, other: Any) -> Any:
@@ -137,13 +136,24 @@ def execute(original: Callable, self: Any, other: Any) -> Any:
         return add_span(self, other.tensor)
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
-    if isinstance(other, SglImage) and getattr(self.backend, "vision_encoder", None) is not None:
-        return _execute_image(self, other)
+    if isinstance(other, SglImage):
+        _remember_image(self, other.path)
+        encoder = getattr(self.backend, "vision_encoder", None)
+        if encoder is not None:
+            from sgl_embeds.vision import load_image
+
+            return add_span(self, encoder(load_image(other.path)))
     return original(self, other)
 
 
 def fork(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``StreamExecutor.fork``: every branch sees the parent's spans and images."""
+    """AROUND hook of ``StreamExecutor.fork``: every branch sees the parent's spans and images.
+
+    Syncing first matters: stock ``fork`` decides whether to commit the shared prefix (one
+    prefill that all branches then hit in the cache) by reading ``text_`` *before* it syncs the
+    executor thread, so it often sees an empty text and the branches race to prefill it.
+    """
+    self.sync()
     children = original(self, *args, **kwargs)
     for child in children:
         setattr(child, _TABLE, dict(span_table(self)))
@@ -158,7 +168,7 @@ def program_segments(state: Any) -> list[seg.Segment]:
     return compile_segments(executor.text_, span_table(executor)).segments
 
 
-def compile_program(program: Any, **arguments: Any) -> list[list[seg.Segment]]:
+def compile_program(program: Any, vision_encoder: Callable | None = None, **arguments: Any) -> list[list[seg.Segment]]:
     """Run ``program`` offline and return the segment list it would send at each ``gen`` and
     ``select`` (generations come back empty, selects pick the first choice), then its final
     segments. No server is contacted; for inspection and tests."""
@@ -168,10 +178,9 @@ def compile_program(program: Any, **arguments: Any) -> list[list[seg.Segment]]:
     sent: list[list[seg.Segment]] = []
 
     class Recorder(BaseBackend):
-        vision_encoder = None
-
         def __init__(self) -> None:
             super().__init__()
+            self.vision_encoder = vision_encoder
             self.chat_template = get_chat_template("default")
 
         def _record(self, s: Any) -> None:

@@ -1,0 +1,150 @@
+"""Programs with spans against a real server: tokens equal HF, forks hit the cache, regions, select."""
+
+from __future__ import annotations
+
+import pytest
+import sglang as sgl
+import torch
+from PIL import Image
+
+import sgl_embeds
+from helpers import reference_embeds
+from sgl_embeds import EmbedsEndpoint
+from sgl_embeds import segments as seg
+from sgl_embeds.testing import reference as ref
+
+
+def _rows(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.fixture(scope="module")
+def backend(llama_server):
+    return EmbedsEndpoint(llama_server.url)
+
+
+def test_program_with_two_spans_matches_hf(backend, llama_dir):
+    a, b = _rows(1, 5), _rows(2, 9)
+
+    @sgl.function
+    def two_spans(s, a, b):
+        s += "the red fox" + sgl.embeds(a) + " near the house" + sgl.embeds(b) + " is"
+        s += sgl.gen("out", max_tokens=12, temperature=0)
+
+    state = two_spans.run(a=a, b=b, backend=backend)
+    meta = state.get_meta_info("out")
+    want, gaps = ref.greedy(llama_dir, reference_embeds(llama_dir, ["the red fox", a, " near the house", b, " is"]), 12)
+    assert meta["completion_tokens"] == len(want)
+    direct = backend.run(input_segments=[seg.Text("the red fox"), seg.Embeds(a), seg.Text(" near the house"), seg.Embeds(b), seg.Text(" is")],
+                         sampling_params={"temperature": 0, "max_new_tokens": 12})
+    ref.assert_same_tokens(direct["output_ids"], want, gaps)
+    assert state["out"] == direct["text"]
+
+
+def test_forked_branches_hit_the_cache_over_the_span(backend):
+    span = _rows(3, 40)
+
+    @sgl.function
+    def fan_out(s, x):
+        s += "look at this" + sgl.embeds(x) + " and tell"
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += f" fact {i}:" + sgl.gen("fact", max_tokens=3, temperature=0)
+        s["cached"] = [f.get_meta_info("fact")["cached_tokens"] for f in forks]
+
+    state = fan_out.run(x=span, backend=backend)
+    assert all(c >= 40 for c in state["cached"][1:]), state["cached"]
+
+
+def test_run_batch_and_streaming(backend):
+    @sgl.function
+    def one(s, x):
+        s += "the dog" + sgl.embeds(x) + sgl.gen("out", max_tokens=6, temperature=0)
+
+    xs = [_rows(10 + i, 4) for i in range(3)]
+    states = one.run_batch([{"x": x} for x in xs], backend=backend)
+    solo = [backend.run(input_segments=[seg.Text("the dog"), seg.Embeds(x)], sampling_params={"temperature": 0, "max_new_tokens": 6})["text"] for x in xs]
+    assert [st["out"] for st in states] == solo
+    streamed = one.run(x=xs[0], backend=backend, stream=True)
+    pieces = list(streamed.text_iter("out"))
+    assert "".join(pieces) == solo[0]
+
+
+def test_select_with_spans_matches_hf_scoring(backend, llama_dir):
+    x = _rows(20, 6)
+    choices = ["red", "blue house", "green tree"]
+
+    @sgl.function
+    def pick(s, x):
+        s += "the image" + sgl.embeds(x) + " shows a " + sgl.select("c", choices=choices, temperature=0)
+
+    state = pick.run(x=x, backend=backend)
+    # HF: the same token-length-normalized logprob that SGLang's select uses
+    tok = ref.hf_tokenizer(str(llama_dir))
+    model = ref.hf_model(str(llama_dir))
+    prefix = reference_embeds(llama_dir, ["the image", x])
+    scores = []
+    for c in choices:
+        ids = tok.encode(" shows a " + c, add_special_tokens=False)
+        full = torch.cat([prefix, ref.embed_ids(llama_dir, ids)])
+        with torch.no_grad():
+            logp = model(inputs_embeds=full.unsqueeze(0)).logits[0].log_softmax(-1)
+        n_pre = prefix.shape[0] + len(tok.encode(" shows a", add_special_tokens=False))
+        lps = [logp[p - 1, full_id].item() for p, full_id in zip(range(n_pre, full.shape[0]), ids[len(ids) - (full.shape[0] - n_pre):])]
+        scores.append(sum(lps) / len(lps))
+    assert state["c"] == choices[max(range(3), key=lambda i: scores[i])], (state["c"], scores)
+
+
+class GridEncoder:
+    """Deterministic: one row per 8x8 cell of the crop, mean colour tiled to the hidden size."""
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        t = torch.tensor(list(image.resize((16, 16)).getdata()), dtype=torch.float32).reshape(16, 16, 3) / 255.0
+        cells = t.reshape(2, 8, 2, 8, 3).mean(dim=(1, 3)).reshape(4, 3)
+        return (cells.repeat(1, 22)[:, :64] - 0.5) * 0.2
+
+
+def _image() -> Image.Image:
+    img = Image.new("RGB", (64, 48), (255, 0, 0))
+    img.paste((0, 0, 255), (32, 0, 64, 48))
+    return img
+
+
+def test_region_sends_the_encoder_applied_to_the_crop(backend, llama_server, llama_dir):
+    enc, img = GridEncoder(), _image()
+
+    @sgl.function
+    def describe(s, box):
+        s += sgl.image(img) + " the region" + sgl.region(box) + " is" + sgl.gen("out", max_tokens=8, temperature=0)
+
+    region_backend = EmbedsEndpoint(llama_server.url, vision_encoder=enc)
+    for box in [(0, 0, 32, 48), (0.5, 0.0, 1.0, 1.0)]:
+        sent = sgl_embeds.compile_program(describe, vision_encoder=enc, box=box)[0]
+        from sgl_embeds.vision import crop
+
+        assert torch.equal(sent[0].tensor, enc(img)) and torch.equal(sent[2].tensor, enc(crop(img, box)))
+        state = describe.run(box=box, backend=region_backend)
+        want, gaps = ref.greedy(llama_dir, reference_embeds(llama_dir, [enc(img), " the region", enc(crop(img, box)), " is"]), 8)
+        out = region_backend.run(input_segments=sent, sampling_params={"temperature": 0, "max_new_tokens": 8})
+        ref.assert_same_tokens(out["output_ids"], want, gaps)
+        assert state["out"] == out["text"]
+
+
+@pytest.mark.parametrize("box, message", [((0, 0, 100, 10), "outside"), ((10, 10, 10, 20), "zero area"),
+                                          ((0, 0, 0.5, 1), "mixes ints"), ((0.0, 0.0, 1.5, 1.0), "fractions in"),
+                                          ((1, 2, 3), "got 3 values")])
+def test_bad_boxes_raise(box, message):
+    from sgl_embeds.vision import to_pixel_box
+
+    with pytest.raises(ValueError, match=message):
+        to_pixel_box(box, 64, 48)
+
+
+def test_backend_checks_hidden_size_before_sending(backend):
+    with pytest.raises(ValueError, match="hidden size 10 but the model's hidden size is 64"):
+        backend.run(input_embeds=torch.zeros(3, 10))
+    out = backend.run(input_embeds=_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
+    assert out["meta_info"]["completion_tokens"] == 3
+    json_backend = EmbedsEndpoint(backend.base_url, wire_format="json")
+    again = json_backend.run(input_embeds=_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
+    assert again["output_ids"] == out["output_ids"]
