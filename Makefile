@@ -1,0 +1,17 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv/ first
+# (idempotent: a second run only checks what is installed).
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-quick bench
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m sgl_embeds.demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-quick: setup
+	$(PY) -m pytest -q -m "not server"
