@@ -35,7 +35,7 @@ def _serve(model_dir, extra=()):
 
 @pytest.fixture(scope="session")
 def llama_server(llama_dir):
-    server = _serve(llama_dir)
+    server = _serve(llama_dir, ["--enable-cache-report"])
     yield server
     server.stop()
 

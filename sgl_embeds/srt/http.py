@@ -18,12 +18,15 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from sgl_embeds import wire
-from sgl_embeds.srt import prompts
+from sgl_embeds.srt import openai, prompts
 
 logger = logging.getLogger(__name__)
 
+# A route: (does this body carry spans?, handler). A handler returns a response to send, or the
+# bytes of a stock body to hand on to SGLang's own route.
+Detector = Callable[[dict], bool]
 Handler = Callable[[dict, Any], Awaitable[Any]]
-ROUTES: dict[str, Handler] = {}
+ROUTES: dict[str, tuple[Detector, Handler]] = {}
 
 
 def max_body_bytes() -> int:
@@ -57,7 +60,9 @@ async def generate_route(body: dict, request: Any) -> Any:
     return await serve_generate_request(obj, request)
 
 
-ROUTES["/generate"] = generate_route
+ROUTES["/generate"] = (prompts.has_span_fields, generate_route)
+ROUTES["/v1/completions"] = (prompts.has_span_fields, openai.completions_route)
+ROUTES["/v1/chat/completions"] = (openai.chat_has_spans, openai.chat_route)
 INFO_PATH = "/sgl_embeds/info"
 
 
@@ -85,8 +90,8 @@ class SpanMiddleware:
             from fastapi.responses import ORJSONResponse
 
             return await ORJSONResponse(info())(scope, receive, send)
-        handler = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if handler is None or scope.get("method") not in ("POST", "PUT"):
+        route = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None or scope.get("method") not in ("POST", "PUT"):
             return await self.app(scope, receive, send)
         body, too_big = await _read_body(receive, max_body_bytes())
         if too_big:
@@ -94,7 +99,8 @@ class SpanMiddleware:
             return await response(scope, receive, send)
         replay = _replay(body, receive)
         payload = _parse_json(body)
-        if not isinstance(payload, dict) or not prompts.has_span_fields(payload):
+        detect, handler = route
+        if not isinstance(payload, dict) or not detect(payload):
             return await self.app(scope, replay, send)
         from starlette.requests import Request
 
@@ -102,6 +108,8 @@ class SpanMiddleware:
             response = await handler(payload, Request(scope, replay))
         except ValueError as e:
             response = error_response(str(e))
+        if isinstance(response, bytes):  # a stock body for SGLang's own route
+            return await self.app(_with_length(scope, len(response)), _replay(response, receive), send)
         await response(scope, replay, send)
 
 
@@ -126,6 +134,11 @@ async def _read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
         if not message.get("more_body", False):
             break
     return b"".join(chunks), False
+
+
+def _with_length(scope: dict, n: int) -> dict:
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    return {**scope, "headers": headers + [(b"content-length", str(n).encode())]}
 
 
 def _replay(body: bytes, receive: Callable) -> Callable:

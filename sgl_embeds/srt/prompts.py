@@ -76,8 +76,10 @@ def _is_batch_of_tensors(x: Any) -> bool:
     return isinstance(first, list) and bool(first) and isinstance(first[0], list)
 
 
-def build_ids(segments: list[seg.Segment], spec: ModelSpec) -> tuple[list[int], Any]:
-    """Token ids (placeholders at span rows) and the ``PositionalEmbeds`` of the span rows."""
+def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
+    """Token ids (placeholders at span rows) and the ``PositionalEmbeds`` of the span rows.
+
+    ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
     from sglang.srt.managers.embed_types import PositionalEmbeds
 
     ids: list[int] = []
@@ -87,7 +89,7 @@ def build_ids(segments: list[seg.Segment], spec: ModelSpec) -> tuple[list[int], 
         if isinstance(s, seg.Text):
             if spec.tokenizer is None:
                 raise ValueError("this server runs without a tokenizer: send input_ids segments")
-            ids.extend(spec.tokenizer.encode(s.text, add_special_tokens=(i == 0)))
+            ids.extend(spec.tokenizer.encode(s.text, add_special_tokens=(i == 0 and specials_first)))
         elif isinstance(s, seg.Ids):
             bad = [t for t in s.ids if t >= spec.vocab_size]
             if bad:

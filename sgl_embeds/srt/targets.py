@@ -23,6 +23,7 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     f"{_SB}.Req.init_next_round_input": ("AROUND", "scheduler:req_init_next_round_input", ("positional_embed_overrides", "token_ids_to_match")),
     f"{_SB}.ScheduleBatch.prepare_for_extend": ("AROUND", "scheduler:prepare_for_extend", ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides")),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.add_logprob_to_meta_info": ("AROUND", "logprobs:add_logprob_to_meta_info", ('meta_info["input_token_logprobs"]',)),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ("AROUND", "openai:generate_request", ()),
     f"{_ENGINE}.generate": ("AROUND", "engine:generate", ("tokenizer_manager.generate_request",)),
     f"{_ENGINE}.async_generate": ("AROUND", "engine:async_generate", ("tokenizer_manager.generate_request",)),
 }
@@ -38,6 +39,8 @@ LANG_HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 RELIED_ON: dict[str, tuple[str, ...]] = {
     f"{_HTTP}.serve_generate_request": ("tokenizer_manager.generate_request",),
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages": ("request.input_ids is not None", "prompt_ids=request.input_ids"),
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request": ('{"input_ids": prompt}',),
     f"{_HTTP}.app": (),
     f"{_HTTP}._global_state": (),
     "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds"),

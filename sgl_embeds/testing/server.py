@@ -23,10 +23,16 @@ import requests
 READY_TIMEOUT_S = 240.0
 
 
+# On CPU SGLang sizes the KV pool to ~85% of free RAM; two test servers would exhaust the
+# machine. A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
+CPU_KV_TOKENS = 16384
+
+
 def cpu_launch_args(dtype: str = "float32") -> list[str]:
     return [
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
         "--disable-overlap-schedule", "--dtype", dtype, "--sleep-on-idle",
+        "--max-total-tokens", str(CPU_KV_TOKENS),
     ]
 
 
@@ -101,7 +107,11 @@ class Server:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
         log.close()
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # a timeout, a dead server, or Ctrl-C: never leave it running
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -115,7 +125,6 @@ class Server:
             except requests.RequestException:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise ServerStartError(f"server not ready after {timeout:.0f} s\n{self.log_tail()}")
 
     def _fired_up(self) -> bool:
@@ -164,6 +173,6 @@ def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
     opts: dict[str, Any] = dict(model_path=str(model_dir), dtype=dtype, log_level="error")
     if on_cpu():
         opts.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, sleep_on_idle=True)
+                    disable_overlap_schedule=True, sleep_on_idle=True, max_total_tokens=CPU_KV_TOKENS)
     opts.update(kwargs)
     return sgl.Engine(**opts)

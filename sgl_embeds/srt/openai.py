@@ -1,0 +1,148 @@
+"""OpenAI-compatible routes with embeddings: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Extension fields (send them with the official client through ``extra_body``):
+
+* ``/v1/completions``: ``input_embeds`` (the whole prompt) or ``input_segments`` (interleaved),
+  with ``prompt`` left empty (``""``);
+* ``/v1/chat/completions``: a content part ``{"type": "input_embeds", "input_embeds": <tensor>}``
+  in any message, mixed with text parts; or a top-level ``input_embeds`` (the whole prompt, no
+  template).
+
+The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
+rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
+for each span, and split at the markers. The span rows wait in a context variable of the request's
+task until SGLang's own handler calls ``TokenizerManager.generate_request``, where a hook attaches
+them. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from typing import Any, Callable
+
+from sgl_embeds import segments as seg
+from sgl_embeds import wire
+from sgl_embeds.srt import prompts
+
+PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("sgl_embeds_pending_spans", default=None)
+PART_TYPE = "input_embeds"
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _spec() -> prompts.ModelSpec:
+    from sgl_embeds.srt.http import tokenizer_manager
+
+    return prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
+
+
+def completions_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
+    """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
+    if body.get("prompt") not in (None, "", []):
+        raise ValueError("prompt must be empty when input_embeds or input_segments is given")
+    parsed, is_batch = prompts.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, prompts.max_request_bytes())
+    if is_batch:
+        raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
+    ids, overrides = prompts.build_ids(parsed[0], spec)
+    out = {k: v for k, v in body.items() if k not in prompts.SPAN_FIELDS}
+    out["prompt"] = ids
+    return out, overrides
+
+
+def chat_has_spans(body: dict) -> bool:
+    if body.get("input_embeds") is not None:
+        return True
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == PART_TYPE for p in content):
+            return True
+    return False
+
+
+def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
+    """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the span rows to attach."""
+    out = {k: v for k, v in body.items() if k != "input_embeds"}
+    if body.get("input_embeds") is not None:
+        tensor = wire.decode_tensor(body["input_embeds"], prompts.max_request_bytes())
+        ids, overrides = prompts.build_ids([seg.Embeds(tensor)], spec)
+        if not out.get("messages"):  # SGLang validates messages even when input_ids are given
+            out["messages"] = [{"role": "user", "content": ""}]
+        out["input_ids"] = ids
+        return out, overrides
+    tensors: list = []
+    budget = prompts.max_request_bytes()
+    messages = []
+    for i, m in enumerate(body.get("messages") or []):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            messages.append(m)
+            continue
+        text = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text.append(str(part.get("text", "")))
+            elif kind == PART_TYPE:
+                try:
+                    t = wire.decode_tensor(part.get(PART_TYPE), budget)
+                except wire.WireError as e:
+                    raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
+                budget -= t.numel() * 4
+                text.append(f"\ue000{len(tensors)}\ue001")
+                tensors.append(t)
+            else:
+                raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be 'text' or "
+                                 f"'{PART_TYPE}', got {kind!r}")
+        messages.append({**m, "content": "".join(text)})
+    rendered = render_chat(spec.tokenizer, messages, body)
+    ids, overrides = prompts.build_ids(split_markers(rendered, tensors), spec, specials_first=False)
+    out["messages"] = [{**m, "content": _MARK.sub("", m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+    out["input_ids"] = ids
+    return out, overrides
+
+
+def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # a template error is the request's problem (bad roles, ...)
+        raise ValueError(f"the chat template could not render these messages: {e}") from None
+
+
+def split_markers(text: str, tensors: list) -> list[seg.Segment]:
+    out: list[seg.Segment] = []
+    pos = 0
+    for m in _MARK.finditer(text):
+        out.append(seg.Text(text[pos : m.start()]))
+        out.append(seg.Embeds(tensors[int(m.group(1))]))
+        pos = m.end()
+    out.append(seg.Text(text[pos:]))
+    if sum(isinstance(s, seg.Embeds) for s in out) != len(tensors):
+        raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
+    return [s for s in out if not (isinstance(s, seg.Text) and not s.text)]
+
+
+def _forwarding(build: Callable[[dict, prompts.ModelSpec], tuple[dict, Any]]) -> Callable:
+    async def route(body: dict, request: Any) -> Any:
+        import asyncio
+
+        import orjson
+
+        stock_body, overrides = await asyncio.to_thread(build, body, _spec())
+        PENDING.set(overrides)
+        return orjson.dumps(stock_body)
+
+    return route
+
+
+completions_route = _forwarding(completions_body)
+chat_route = _forwarding(chat_body)
+
+
+def generate_request(original: Callable, self: Any, obj: Any, request: Any = None) -> Any:
+    """AROUND hook of ``TokenizerManager.generate_request``: attach the rows an OpenAI route left."""
+    overrides = PENDING.get()
+    if overrides is not None and getattr(obj, "positional_embed_overrides", "x") is None:
+        PENDING.set(None)
+        obj.positional_embed_overrides = overrides
+    return original(self, obj, request)
