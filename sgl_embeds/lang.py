@@ -168,10 +168,12 @@ def program_segments(state: Any) -> list[seg.Segment]:
     return compile_segments(executor.text_, span_table(executor)).segments
 
 
-def compile_program(program: Any, vision_encoder: Callable | None = None, **arguments: Any) -> list[list[seg.Segment]]:
+def compile_program(program: Any, like: Any = None, vision_encoder: Callable | None = None,
+                    **arguments: Any) -> list[list[seg.Segment]]:
     """Run ``program`` offline and return the segment list it would send at each ``gen`` and
     ``select`` (generations come back empty, selects pick the first choice), then its final
-    segments. No server is contacted; for inspection and tests."""
+    segments. No server is contacted; for inspection and tests. ``like``: a backend whose chat
+    template and vision encoder to use (default: the "default" template, ``vision_encoder``)."""
     from sglang.lang.backend.base_backend import BaseBackend
     from sglang.lang.chat_template import get_chat_template
 
@@ -180,8 +182,8 @@ def compile_program(program: Any, vision_encoder: Callable | None = None, **argu
     class Recorder(BaseBackend):
         def __init__(self) -> None:
             super().__init__()
-            self.vision_encoder = vision_encoder
-            self.chat_template = get_chat_template("default")
+            self.vision_encoder = vision_encoder or getattr(like, "vision_encoder", None)
+            self.chat_template = like.chat_template if like is not None else get_chat_template("default")
 
         def _record(self, s: Any) -> None:
             sent.append(compile_segments(s.text_, span_table(s)).segments)

@@ -12,6 +12,7 @@ from helpers import reference_embeds
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds import segments as seg
 from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.encoders import GridEncoder
 
 
 def _rows(seed: int, n: int) -> torch.Tensor:
@@ -93,15 +94,6 @@ def test_select_with_spans_matches_hf_scoring(backend, llama_dir):
         lps = [logp[p - 1, full_id].item() for p, full_id in zip(range(n_pre, full.shape[0]), ids[len(ids) - (full.shape[0] - n_pre):])]
         scores.append(sum(lps) / len(lps))
     assert state["c"] == choices[max(range(3), key=lambda i: scores[i])], (state["c"], scores)
-
-
-class GridEncoder:
-    """Deterministic: one row per 8x8 cell of the crop, mean colour tiled to the hidden size."""
-
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        t = torch.tensor(list(image.resize((16, 16)).getdata()), dtype=torch.float32).reshape(16, 16, 3) / 255.0
-        cells = t.reshape(2, 8, 2, 8, 3).mean(dim=(1, 3)).reshape(4, 3)
-        return (cells.repeat(1, 22)[:, :64] - 0.5) * 0.2
 
 
 def _image() -> Image.Image:

@@ -1,0 +1,52 @@
+"""Runs span prompts through an in-process ``sglang.Engine`` and prints the results as JSON.
+
+A separate process on purpose: ``Engine.shutdown()`` kills every child process of its caller,
+which inside pytest would include the shared test servers. ``test_engine_inprocess.py`` runs
+this script and checks what it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from sgl_embeds.testing.server import engine as make_engine
+
+
+def rows(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def main(model_dir: str) -> dict:
+    eng = make_engine(model_dir)
+    out: dict = {}
+    try:
+        segments = [{"type": "text", "text": "the small dog"}, {"type": "embeds", "embeds": rows(11, 7)}, {"type": "text", "text": " is"}]
+        sp = {"temperature": 0, "max_new_tokens": 10}
+        first = eng.generate(input_segments=segments, sampling_params=sp)
+        again = eng.generate(input_segments=segments, sampling_params=sp)
+        out["segments"] = {"ids": first["output_ids"], "again_ids": again["output_ids"],
+                           "cached": again["meta_info"]["cached_tokens"], "prompt": again["meta_info"]["prompt_tokens"]}
+        sp6 = {"temperature": 0, "max_new_tokens": 6}
+        batch = eng.generate(input_embeds=[rows(1, 6), rows(2, 6)], sampling_params=sp6)
+        out["batch"] = [b["output_ids"] for b in batch]
+        chunks = list(eng.generate(input_embeds=rows(1, 6), sampling_params=sp6, stream=True))
+        out["stream"] = {"chunks": len(chunks), "completion": chunks[-1]["meta_info"]["completion_tokens"]}
+        errors = []
+        for bad in (torch.zeros(2, 3), torch.full((2, 64), float("nan"))):
+            try:
+                eng.generate(input_embeds=bad, sampling_params={"max_new_tokens": 1})
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        out["errors"] = errors
+        out["after_errors"] = len(eng.generate(prompt="the red fox", sampling_params={"temperature": 0, "max_new_tokens": 3})["output_ids"])
+    finally:
+        eng.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

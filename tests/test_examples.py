@@ -1,0 +1,32 @@
+"""Every tutorial notebook in examples/ runs top to bottom against a real CPU server, and is
+committed with its outputs cleared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.ipynb"))
+
+
+def test_there_are_tutorials():
+    assert len(NOTEBOOKS) >= 4
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_without_outputs(path):
+    book = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in book.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path, llama_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("SGL_EMBEDS_URL", llama_server.url)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    book = nbformat.read(path, as_version=4)
+    NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for c in book.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
