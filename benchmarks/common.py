@@ -1,0 +1,103 @@
+"""Shared pieces of the benchmarks: the two servers (same SGLang build, plugin on / off), the demo
+model's embedding table, timing helpers and the report table.
+
+The stock side is the same installed SGLang with the sgl_embeds plugin not loaded
+(``SGLANG_PLUGINS`` set to a name no plugin has), so both sides run identical engine code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+import torch
+
+from sgl_embeds.testing.models import demo_model_dir
+from sgl_embeds.testing.server import Server
+
+RESULTS = Path(__file__).with_name("results")
+
+
+@contextmanager
+def server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32"):
+    env_key = "SGLANG_PLUGINS"
+    saved = os.environ.get(env_key)
+    if not plugin:
+        os.environ[env_key] = "no-plugin-at-all"  # a whitelist that matches nothing
+    try:
+        s = Server(model_dir, extra_args=list(extra), dtype=dtype).start()
+    finally:
+        if saved is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = saved
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def embedding_table(model_dir: Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    shard = next(model_dir.glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight").float()
+
+
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def post(url: str, body: dict, timeout: float = 600) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return r.json(), dt
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    out = [f"\n### {title}", line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells[1:]]
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+def save(name: str, data: dict, text: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (RESULTS / f"{name}.md").write_text(text + "\n")
+
+
+def machine() -> str:
+    import platform
+
+    import sglang
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, sglang {sglang.__version__}"
+
+
+def demo_dir() -> Path:
+    return demo_model_dir()
