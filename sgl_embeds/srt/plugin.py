@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 def _resolve(ref: str):
     module, name = ref.split(":")
-    return getattr(importlib.import_module(f"sgl_embeds.srt.{module}"), name)
+    full = module if module.startswith("sgl_embeds.") else f"sgl_embeds.srt.{module}"
+    return getattr(importlib.import_module(full), name)
 
 
 def register() -> None:

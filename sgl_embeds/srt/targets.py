@@ -24,6 +24,8 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     f"{_SB}.ScheduleBatch.prepare_for_extend": ("AROUND", "scheduler:prepare_for_extend", ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides")),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.add_logprob_to_meta_info": ("AROUND", "logprobs:add_logprob_to_meta_info", ('meta_info["input_token_logprobs"]',)),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ("AROUND", "openai:generate_request", ()),
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend": (
+        "AROUND", "sgl_embeds.cpu.attention:sdpa_forward_extend", ("per_req_query_redudant", "extend_prefix_lens")),
     f"{_ENGINE}.generate": ("AROUND", "engine:generate", ("tokenizer_manager.generate_request",)),
     f"{_ENGINE}.async_generate": ("AROUND", "engine:async_generate", ("tokenizer_manager.generate_request",)),
 }
