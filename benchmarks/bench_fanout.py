@@ -21,9 +21,9 @@ from sgl_embeds.backend import EmbedsEndpoint
 
 
 @sgl.function
-def fan_out(s, span, n):
+def fan_out(s, span, branches):
     s += "Here is an image: " + sgl.embeds(span) + "\n"
-    forks = s.fork(n)
+    forks = s.fork(branches)
     for i, f in enumerate(forks):
         f += f"Attribute {i} of the image is" + sgl.gen("v", max_tokens=4, temperature=0, ignore_eos=True)
     s["usage"] = [(f.get_meta_info("v")["prompt_tokens"], f.get_meta_info("v")["cached_tokens"]) for f in forks]
@@ -40,7 +40,7 @@ def main() -> None:
     with server(model, True, dtype="bfloat16") as ours, server(model, False, ["--disable-radix-cache"], dtype="bfloat16") as stock:
         backend = EmbedsEndpoint(ours.url)
         t0 = time.perf_counter()
-        state = fan_out.run(span=span, n=args.branches, backend=backend)
+        state = fan_out.run(span=span, branches=args.branches, backend=backend)
         ours_t = time.perf_counter() - t0
         ours_computed = sum(p - c for p, c in state["usage"])
         prefix = tok.encode("Here is an image: ", add_special_tokens=True)

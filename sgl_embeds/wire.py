@@ -13,14 +13,19 @@ Decoding never unpickles and never calls ``torch.load``: bytes become a tensor o
 
 from __future__ import annotations
 
-import base64
 import binascii
 import math
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+
+try:  # SIMD base64 (an SGLang dependency): ~5x faster than the standard library on large spans
+    import pybase64 as b64
+except ImportError:  # pragma: no cover
+    import base64 as b64
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,7 +59,7 @@ def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         raw = _byteswap(raw, t.element_size())
-    return {"data": base64.b64encode(raw).decode("ascii"), "dtype": name, "shape": list(t.shape)}
+    return {"data": b64.b64encode(raw).decode("ascii"), "dtype": name, "shape": list(t.shape)}
 
 
 def as_2d_tensor(x: Any) -> torch.Tensor:
@@ -104,7 +109,7 @@ def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
     if obj.get("encoding", "base64") != "base64":
         raise WireError(f"unknown encoding {obj.get('encoding')!r}: only 'base64' is supported")
     name = obj.get("dtype")
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise WireError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
     shape = obj.get("shape")
     if (
@@ -128,7 +133,7 @@ def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
             f"({nbytes} bytes = {4 * math.ceil(nbytes / 3)} base64 chars)"
         )
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = b64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise WireError(f"malformed base64 in embeddings data: {e}") from None
     if len(raw) != nbytes:
@@ -137,7 +142,11 @@ def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
         raw = _byteswap(raw, itemsize)
     if nbytes == 0:
         return torch.empty(shape, dtype=DTYPES[name])
-    return torch.frombuffer(bytearray(raw), dtype=DTYPES[name]).reshape(shape)
+    # A view over the immutable decoded bytes (no copy): decoded spans are only ever read, and
+    # the engine copies them when it converts or concatenates rows.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(raw, dtype=DTYPES[name]).reshape(shape)
 
 
 def decode_json_lists(obj: list, max_bytes: int) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""Faults: a server restart in the middle of a workload gives clients clear, retryable errors
+(connection refused / reset), never a silently wrong answer; after the restart all is correct."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from helpers import body, span, text
+from sgl_embeds.testing.server import Server, free_port
+
+pytestmark = pytest.mark.server
+
+
+def test_restart_mid_workload(llama_dir):
+    port = free_port()
+    parts = [text("the fox"), span(torch.randn(5, 64, generator=torch.Generator().manual_seed(5)) * 0.05), text(" is")]
+    first = Server(llama_dir, port=port).start()
+    try:
+        want = requests.post(first.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
+        results, stop = [], threading.Event()
+
+        def worker():
+            while not stop.is_set():
+                try:
+                    r = requests.post(f"http://127.0.0.1:{port}/generate", json=body(parts, 6), timeout=30)
+                    results.append(("ok", r.status_code, r.json().get("output_ids") if r.status_code == 200 else r.text))
+                except requests.ConnectionError as e:  # the retryable kind
+                    results.append(("conn", None, type(e).__name__))
+                    time.sleep(0.2)
+
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        first.stop()
+        time.sleep(1)
+        second = Server(llama_dir, port=port).start()
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        first.stop()
+    try:
+        assert any(kind == "conn" for kind, _, _ in results), "the restart was not observed"
+        served = [(code, out) for kind, code, out in results if kind == "ok"]
+        assert served and all(code in (200, 503) for code, _ in served), [c for c, _ in served if c != 200]
+        assert all(out == want for code, out in served if code == 200), "a wrong answer was served"
+        after = requests.post(second.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
+        assert after == want
+    finally:
+        second.stop()
