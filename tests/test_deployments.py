@@ -10,7 +10,7 @@ import torch
 from helpers import body, span, text
 from sgl_embeds import wire
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server
+from sgl_embeds.testing.server import Server, on_cpu
 
 pytestmark = pytest.mark.server
 KEY = "test-secret-key"
@@ -46,7 +46,9 @@ def test_api_key_covers_span_generate_info_and_openai_routes(keyed_server):
 
 @pytest.fixture(scope="module")
 def dp_server(llama_dir):
-    server = Server(llama_dir, extra_args=["--dp-size", "2", "--load-balance-method", "round_robin"]).start(timeout=400)
+    # on CPU each data-parallel rank needs its own cores (one NUMA node here): one core each
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if on_cpu() else {}
+    server = Server(llama_dir, extra_args=["--dp-size", "2", "--load-balance-method", "round_robin"], env=env).start(timeout=400)
     yield server
     server.stop()
 

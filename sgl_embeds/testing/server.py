@@ -83,6 +83,7 @@ class Server:
     port: int = 0
     dtype: str = "float32"
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
     @property
@@ -105,7 +106,7 @@ class Server:
             *default_launch_args(self.dtype), *self.extra_args,
         ]
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**cpu_env(), **self.env}, start_new_session=True)
         log.close()
         try:
             self._wait_ready(timeout)
