@@ -159,6 +159,9 @@ def _load_safetensors(module: torch.nn.Module, path: str | Path, prefix: str = "
     state = load_file(str(path))
     if prefix and any(k.startswith(prefix) for k in state):
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"{path}: {e}") from None
     if missing or unexpected:
         raise ValueError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")

@@ -66,3 +66,21 @@ def test_plugin_is_active_in_every_data_parallel_scheduler(dp_server, llama_dir)
     for rank in (0, 1):  # and each one's radix cache matched the span on its repeats
         cached = [o["meta_info"]["cached_tokens"] for o in outs if o["meta_info"]["dp_rank"] == rank]
         assert max(cached[1:]) >= 9 + 3, (rank, cached)
+
+
+@pytest.fixture(scope="module")
+def bf16_server(llama_dir):
+    server = Server(llama_dir, dtype="bfloat16").start()
+    yield server
+    server.stop()
+
+
+def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(bf16_server, llama_dir):
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(8)) * 0.05
+    payload = {"input_embeds": wire.encode_tensor(x, "base64", "float32"), "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    first = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()
+    again = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()
+    assert len(first["output_ids"]) == 6 and again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == 11
+    info = requests.get(bf16_server.url + "/sgl_embeds/info", timeout=30).json()
+    assert info["dtype"] == "bfloat16"

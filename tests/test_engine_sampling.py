@@ -81,3 +81,12 @@ def test_text_only_requests_are_untouched(llama_server):
     assert a["output_ids"] == b["output_ids"] and b["meta_info"]["cached_tokens"] > 0
     ids = generate(llama_server, {"input_ids": [0, 20, 30, 40], "sampling_params": sp})
     assert len(ids["output_ids"]) == 8
+
+
+def test_penalties_with_spans_use_only_real_tokens(llama_server):
+    sp = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "frequency_penalty": 0.5,
+          "presence_penalty": 0.5, "repetition_penalty": 1.3, "min_new_tokens": 4}
+    out = generate(llama_server, {"input_segments": PARTS, "sampling_params": sp})
+    assert len(out["output_ids"]) == 10 and all(t < 1000 for t in out["output_ids"])
+    plain = generate(llama_server, {"input_segments": PARTS, "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}})
+    assert out["output_ids"] != plain["output_ids"] or len(set(plain["output_ids"])) == 10  # the penalties took effect
