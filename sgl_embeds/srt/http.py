@@ -1,11 +1,12 @@
-"""HTTP side: span prompts on ``/generate`` (the OpenAI routes plug in through ``ROUTES``).
+"""HTTP side: span prompts on ``/generate`` and the OpenAI routes, and ``GET /sgl_embeds/info``.
 
-An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at
-``POST/PUT /generate`` bodies. A body without span fields goes on to the stock route untouched.
-A body with ``input_segments`` or ``input_embeds`` is decoded and validated here (HTTP 400 with
-the reason on any problem), turned into ``input_ids`` + ``positional_embed_overrides``, and served
-by SGLang's own ``serve_generate_request``. Decoding and hashing run in a worker thread so a
-large payload does not stall the event loop for other clients.
+An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at the
+bodies of the routes in ``ROUTES``. A body without span fields goes on to the stock route
+untouched. A body with spans is decoded and validated here (HTTP 400 with the reason on any
+problem): ``/generate`` becomes ``input_ids`` + ``positional_embed_overrides`` served by SGLang's
+own ``serve_generate_request``; the OpenAI routes are rewritten to token ids and handed on (see
+``openai.py``). Decoding and hashing run in a worker thread so a large payload does not stall the
+event loop for other clients.
 """
 
 from __future__ import annotations
@@ -53,10 +54,7 @@ async def generate_route(body: dict, request: Any) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
     spec = prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
-    try:
-        obj = await asyncio.to_thread(prompts.make_generate_req, body, spec)
-    except ValueError as e:
-        return error_response(str(e))
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, spec)  # ValueError -> 400 (middleware)
     return await serve_generate_request(obj, request)
 
 

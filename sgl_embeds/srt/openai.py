@@ -52,7 +52,8 @@ def completions_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
 def chat_has_spans(body: dict) -> bool:
     if body.get("input_embeds") is not None:
         return True
-    for m in body.get("messages") or []:
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == PART_TYPE for p in content):
             return True
@@ -72,7 +73,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
     tensors: list = []
     budget = prompts.max_request_bytes()
     messages = []
-    for i, m in enumerate(body.get("messages") or []):
+    for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             messages.append(m)
