@@ -1,6 +1,6 @@
 """DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hook.
 
-A span enters the program's text as a *marker*: ``\\ue000<k>\\ue001`` (Unicode private-use
+A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
 characters around a per-program key), with the tensor kept in the executor's span table. Markers
 ride along everything SGLang's interpreter does to text (roles and chat templates, ``fork``,
 ``gen``/``select`` prefixes), and the backend splits the text at them into segments
@@ -12,7 +12,6 @@ span too, so VLM-style programs run on a text-only LLM plus the developer's own 
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Sequence
 
 import sglang as sgl
@@ -22,8 +21,6 @@ from sglang.lang.ir import SglArgument, SglExpr, SglImage
 from sgl_embeds import segments as seg
 from sgl_embeds import wire
 
-MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
-_MARKER = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
 _TABLE = "_sgl_embeds_spans"
 _IMAGES = "_sgl_embeds_images"
 
@@ -84,26 +81,16 @@ def add_span(executor: Any, tensor: torch.Tensor) -> None:
     table = span_table(executor)
     key = len(table)
     table[key] = tensor
-    executor._execute_fill(f"{MARK_OPEN}{key}{MARK_CLOSE}")
+    executor._execute_fill(seg.marker(key))
 
 
 def compile_segments(text: str, table: dict[int, torch.Tensor]) -> seg.Prompt:
     """Split program text at span markers into a segment list."""
-    prompt = seg.Prompt()
-    pos = 0
-    for m in _MARKER.finditer(text):
-        prompt.append(seg.Text(text[pos : m.start()]))
-        key = int(m.group(1))
-        if key not in table:
-            raise ValueError(f"span marker {key} has no tensor in this program state")
-        prompt.append(seg.Embeds(table[key]))
-        pos = m.end()
-    prompt.append(seg.Text(text[pos:]))
-    return prompt
+    return seg.split_at_markers(text, table)
 
 
 def has_markers(text: str) -> bool:
-    return MARK_OPEN in text
+    return seg.MARK_OPEN in text
 
 
 def _execute_region(executor: Any, expr: SglRegion) -> None:

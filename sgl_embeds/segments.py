@@ -15,6 +15,7 @@ tells rows apart, matches identical rows, and never confuses a row with a token.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -24,6 +25,10 @@ from sgl_embeds import wire
 
 PLACEHOLDER_BASE = 1 << 62
 PLACEHOLDER_LIMIT = 1 << 63
+# Where a span stands inside text (programs, rendered chats): Unicode private-use characters
+# around a key into a table of tensors.
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+_MARKER = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
 
 
 @dataclass
@@ -62,24 +67,35 @@ class Prompt:
                 return
         self.segments.append(seg)
 
-    def extend(self, other: "Prompt | list[Segment]") -> None:
-        for seg in other.segments if isinstance(other, Prompt) else other:
-            self.append(seg)
-
-    def copy(self) -> "Prompt":
-        return Prompt(list(self.segments))
-
     @property
     def has_embeds(self) -> bool:
         return any(isinstance(s, Embeds) for s in self.segments)
 
-    @property
-    def text(self) -> str:
-        """The text segments only (spans left out), e.g. for logging."""
-        return "".join(s.text for s in self.segments if isinstance(s, Text))
-
     def to_wire(self, fmt: str = "base64", dtype: str | None = None) -> list[dict]:
         return [segment_to_wire(s, fmt, dtype) for s in self.segments]
+
+
+def marker(key: int) -> str:
+    return f"{MARK_OPEN}{key}{MARK_CLOSE}"
+
+
+def split_at_markers(text: str, table: dict[int, torch.Tensor]) -> Prompt:
+    """Text with span markers -> a prompt of text and span segments (empty text dropped)."""
+    prompt = Prompt()
+    pos = 0
+    for m in _MARKER.finditer(text):
+        prompt.append(Text(text[pos : m.start()]))
+        key = int(m.group(1))
+        if key not in table:
+            raise ValueError(f"span marker {key} has no tensor")
+        prompt.append(Embeds(table[key]))
+        pos = m.end()
+    prompt.append(Text(text[pos:]))
+    return prompt
+
+
+def strip_markers(text: str) -> str:
+    return _MARKER.sub("", text)
 
 
 def segment_to_wire(seg: Segment, fmt: str = "base64", dtype: str | None = None) -> dict:

@@ -82,7 +82,7 @@ def test_bad_spans_fail_when_the_program_is_written(bad, message):
 
 def test_unknown_marker_is_an_error_not_a_silent_drop():
     with pytest.raises(ValueError, match="no tensor"):
-        lang.compile_segments(f"a {lang.MARK_OPEN}7{lang.MARK_CLOSE} b", {})
+        lang.compile_segments(f"a {seg.marker(7)} b", {})
 
 
 def test_compile_program_lists_what_each_gen_and_select_would_send():

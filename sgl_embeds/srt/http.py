@@ -44,17 +44,17 @@ def error_response(message: str, status: int = 400) -> Any:
     )
 
 
-def tokenizer_manager() -> Any:
+def server_spec() -> prompts.ModelSpec:
+    """The served model, as seen by this process's tokenizer manager."""
     from sglang.srt.entrypoints.http_server import _global_state
 
-    return _global_state.tokenizer_manager
+    return prompts.ModelSpec.from_tokenizer_manager(_global_state.tokenizer_manager)
 
 
 async def generate_route(body: dict, request: Any) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
-    spec = prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
-    obj = await asyncio.to_thread(prompts.make_generate_req, body, spec)  # ValueError -> 400 (middleware)
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, server_spec())  # ValueError -> 400 (middleware)
     return await serve_generate_request(obj, request)
 
 
@@ -68,7 +68,7 @@ def info() -> dict:
     """What a client needs to check spans before sending them."""
     from importlib.metadata import version
 
-    spec = prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
+    spec = server_spec()
     return {
         "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,

@@ -18,7 +18,6 @@ them. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang'
 from __future__ import annotations
 
 import contextvars
-import re
 from typing import Any, Callable
 
 from sgl_embeds import segments as seg
@@ -27,13 +26,6 @@ from sgl_embeds.srt import prompts
 
 PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("sgl_embeds_pending_spans", default=None)
 PART_TYPE = "input_embeds"
-_MARK = re.compile("\ue000(\\d+)\ue001")
-
-
-def _spec() -> prompts.ModelSpec:
-    from sgl_embeds.srt.http import tokenizer_manager
-
-    return prompts.ModelSpec.from_tokenizer_manager(tokenizer_manager())
 
 
 def completions_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
@@ -89,7 +81,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
                 except wire.WireError as e:
                     raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
                 budget -= t.numel() * 4
-                text.append(f"\ue000{len(tensors)}\ue001")
+                text.append(seg.marker(len(tensors)))
                 tensors.append(t)
             else:
                 raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be 'text' or "
@@ -97,7 +89,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
         messages.append({**m, "content": "".join(text)})
     rendered = render_chat(spec.tokenizer, messages, body)
     ids, overrides = prompts.build_ids(split_markers(rendered, tensors), spec, specials_first=False)
-    out["messages"] = [{**m, "content": _MARK.sub("", m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+    out["messages"] = [{**m, "content": seg.strip_markers(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
     out["input_ids"] = ids
     return out, overrides
 
@@ -111,16 +103,10 @@ def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
 
 
 def split_markers(text: str, tensors: list) -> list[seg.Segment]:
-    out: list[seg.Segment] = []
-    pos = 0
-    for m in _MARK.finditer(text):
-        out.append(seg.Text(text[pos : m.start()]))
-        out.append(seg.Embeds(tensors[int(m.group(1))]))
-        pos = m.end()
-    out.append(seg.Text(text[pos:]))
-    if sum(isinstance(s, seg.Embeds) for s in out) != len(tensors):
+    prompt = seg.split_at_markers(text, dict(enumerate(tensors)))
+    if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(tensors):
         raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
-    return [s for s in out if not (isinstance(s, seg.Text) and not s.text)]
+    return prompt.segments
 
 
 def _forwarding(build: Callable[[dict, prompts.ModelSpec], tuple[dict, Any]]) -> Callable:
@@ -129,7 +115,9 @@ def _forwarding(build: Callable[[dict, prompts.ModelSpec], tuple[dict, Any]]) ->
 
         import orjson
 
-        stock_body, overrides = await asyncio.to_thread(build, body, _spec())
+        from sgl_embeds.srt.http import server_spec
+
+        stock_body, overrides = await asyncio.to_thread(build, body, server_spec())
         PENDING.set(overrides)
         return orjson.dumps(stock_body)
 
