@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 
@@ -106,7 +106,21 @@ def segment_to_wire(seg: Segment, fmt: str = "base64", dtype: str | None = None)
     return {"type": "embeds", "embeds": wire.encode_tensor(seg.tensor, fmt, dtype)}
 
 
-def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES) -> list[Segment]:
+Resolver = Callable[[Any], torch.Tensor]
+
+
+def decode_span(obj: Any, max_bytes: int, resolve: Resolver | None = None) -> torch.Tensor:
+    """A wire tensor, or ``{"handle": ...}`` looked up with ``resolve`` (HTTP only)."""
+    if isinstance(obj, dict) and "handle" in obj:
+        if resolve is None:
+            raise wire.WireError("span handles are accepted only by the HTTP server")
+        if len(obj) != 1:
+            raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
+        return resolve(obj["handle"])
+    return wire.decode_tensor(obj, max_bytes)
+
+
+def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, resolve: Resolver | None = None) -> list[Segment]:
     """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
     if not isinstance(items, list) or not items:
         raise wire.WireError("input_segments must be a non-empty list of segment objects")
@@ -131,7 +145,7 @@ def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES) -> l
             if "embeds" not in item:
                 raise wire.WireError(f"segment {i}: an embeds segment needs an 'embeds' field")
             try:
-                t = wire.decode_tensor(item["embeds"], budget)
+                t = decode_span(item["embeds"], budget, resolve)
             except wire.WireError as e:
                 raise wire.WireError(f"segment {i}: {e}") from None
             budget -= t.numel() * 4

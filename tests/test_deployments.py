@@ -23,7 +23,7 @@ def keyed_server(llama_dir):
     server.stop()
 
 
-def test_api_key_covers_span_generate_info_and_openai_routes(keyed_server):
+def test_api_key_covers_span_generate_info_handles_and_openai_routes(keyed_server):
     rows = torch.randn(3, 64) * 0.05
     calls = [
         ("post", "/generate", body([text("a"), span(rows)], 2)),
@@ -31,6 +31,8 @@ def test_api_key_covers_span_generate_info_and_openai_routes(keyed_server):
         ("post", "/v1/completions", {"model": "default", "prompt": "", "max_tokens": 2, "input_embeds": wire.encode_tensor(rows)}),
         ("post", "/v1/chat/completions", {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)}]}]}),
         ("get", "/sgl_embeds/info", None),
+        ("post", "/sgl_embeds/spans", {"embeds": wire.encode_tensor(rows)}),
+        ("delete", "/sgl_embeds/spans/span-0", None),
     ]
     for method, path, payload in calls:
         url = keyed_server.url + path
@@ -38,7 +40,7 @@ def test_api_key_covers_span_generate_info_and_openai_routes(keyed_server):
         wrong = getattr(requests, method)(url, json=payload, headers={"Authorization": "Bearer nope"}, timeout=60)
         right = getattr(requests, method)(url, json=payload, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert anonymous.status_code == 401 and wrong.status_code == 401, (path, anonymous.status_code, wrong.status_code)
-        assert right.status_code == 200, (path, right.text[:300])
+        assert right.status_code == (404 if method == "delete" else 200), (path, right.text[:300])
     # a malformed span is refused by auth first: no decoding work for anonymous clients
     bad = requests.post(keyed_server.url + "/generate", json={"input_embeds": {"data": "AAAA", "dtype": "int8", "shape": [1, 1]}}, timeout=30)
     assert bad.status_code == 401

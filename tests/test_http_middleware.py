@@ -63,7 +63,7 @@ def test_a_body_over_the_limit_gets_413_without_reaching_the_app(monkeypatch):
 def test_span_bodies_go_to_the_registered_handler(monkeypatch):
     calls = []
 
-    async def handler(body, request):
+    async def handler(body, request, resolve):
         calls.append(body)
         return http.error_response("handled", 400)
 

@@ -19,12 +19,13 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from sgl_embeds import wire
-from sgl_embeds.srt import openai, prompts
+from sgl_embeds.srt import handles, openai, prompts
 
 logger = logging.getLogger(__name__)
 
-# A route: (does this body carry spans?, handler). A handler returns a response to send, or the
-# bytes of a stock body to hand on to SGLang's own route.
+# A route: (does this body carry spans?, handler). A handler gets the body, the request and the
+# span-handle resolver, and returns a response to send, or the bytes of a stock body to hand on
+# to SGLang's own route.
 Detector = Callable[[dict], bool]
 Handler = Callable[[dict, Any], Awaitable[Any]]
 ROUTES: dict[str, tuple[Detector, Handler]] = {}
@@ -51,10 +52,10 @@ def server_spec() -> prompts.ModelSpec:
     return prompts.ModelSpec.from_tokenizer_manager(_global_state.tokenizer_manager)
 
 
-async def generate_route(body: dict, request: Any) -> Any:
+async def generate_route(body: dict, request: Any, resolve: Callable) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
-    obj = await asyncio.to_thread(prompts.make_generate_req, body, server_spec())  # ValueError -> 400 (middleware)
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, server_spec(), resolve)  # ValueError -> 400
     return await serve_generate_request(obj, request)
 
 
@@ -64,7 +65,7 @@ ROUTES["/v1/chat/completions"] = (openai.chat_has_spans, openai.chat_route)
 INFO_PATH = "/sgl_embeds/info"
 
 
-def info() -> dict:
+def info(store: handles.SpanStore) -> dict:
     """What a client needs to check spans before sending them."""
     from importlib.metadata import version
 
@@ -74,6 +75,7 @@ def info() -> dict:
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
         "max_span_bytes": prompts.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
+        "span_store": store.stats(),
     }
 
 
@@ -82,14 +84,14 @@ class SpanMiddleware:
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self.store = handles.SpanStore(handles.budget_bytes())
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope.get("path") == INFO_PATH and scope.get("method") == "GET":
-            from fastapi.responses import ORJSONResponse
-
-            return await ORJSONResponse(info())(scope, receive, send)
-        route = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if route is None or scope.get("method") not in ("POST", "PUT"):
+        path, method = scope.get("path", ""), scope.get("method")
+        if scope["type"] == "http" and path.startswith(("/sgl_embeds/", handles.PATH)):
+            return await self._own_route(path, method, scope, receive, send)
+        route = ROUTES.get(path) if scope["type"] == "http" else None
+        if route is None or method not in ("POST", "PUT"):
             return await self.app(scope, receive, send)
         body, too_big = await _read_body(receive, max_body_bytes())
         if too_big:
@@ -103,12 +105,35 @@ class SpanMiddleware:
         from starlette.requests import Request
 
         try:
-            response = await handler(payload, Request(scope, replay))
+            response = await handler(payload, Request(scope, replay), self.store.get)
         except ValueError as e:
             response = error_response(str(e))
         if isinstance(response, bytes):  # a stock body for SGLang's own route
             return await self.app(_with_length(scope, len(response)), _replay(response, receive), send)
         await response(scope, replay, send)
+
+    async def _own_route(self, path: str, method: str, scope: dict, receive: Callable, send: Callable) -> None:
+        """``GET /sgl_embeds/info``, ``POST /sgl_embeds/spans``, ``DELETE /sgl_embeds/spans/<handle>``."""
+        from fastapi.responses import ORJSONResponse
+
+        if path == INFO_PATH and method == "GET":
+            response = ORJSONResponse(info(self.store))
+        elif path == handles.PATH and method == "POST":
+            body, too_big = await _read_body(receive, max_body_bytes())
+            payload = None if too_big else _parse_json(body)
+            try:
+                if not isinstance(payload, dict):
+                    raise ValueError("the body must be a JSON object within the size limit")
+                result = await asyncio.to_thread(handles.upload, payload, self.store, server_spec().hidden_size)
+                response = ORJSONResponse(result)
+            except ValueError as e:
+                response = error_response(str(e))
+        elif path.startswith(handles.PATH + "/") and method == "DELETE":
+            found = self.store.delete(path[len(handles.PATH) + 1 :])
+            response = ORJSONResponse({"deleted": found}, status_code=200 if found else 404)
+        else:
+            response = error_response(f"no route {method} {path}", 404)
+        await response(scope, receive, send)
 
 
 def _parse_json(body: bytes) -> Any:

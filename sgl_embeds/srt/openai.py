@@ -28,11 +28,11 @@ PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("sgl_embeds_pendin
 PART_TYPE = "input_embeds"
 
 
-def completions_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
+def completions_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None = None) -> tuple[dict, Any]:
     """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
     if body.get("prompt") not in (None, "", []):
         raise ValueError("prompt must be empty when input_embeds or input_segments is given")
-    parsed, is_batch = prompts.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, prompts.max_request_bytes())
+    parsed, is_batch = prompts.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, prompts.max_request_bytes(), resolve)
     if is_batch:
         raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
     ids, overrides = prompts.build_ids(parsed[0], spec)
@@ -52,11 +52,11 @@ def chat_has_spans(body: dict) -> bool:
     return False
 
 
-def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
+def chat_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None = None) -> tuple[dict, Any]:
     """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the span rows to attach."""
     out = {k: v for k, v in body.items() if k != "input_embeds"}
     if body.get("input_embeds") is not None:
-        tensor = wire.decode_tensor(body["input_embeds"], prompts.max_request_bytes())
+        tensor = seg.decode_span(body["input_embeds"], prompts.max_request_bytes(), resolve)
         ids, overrides = prompts.build_ids([seg.Embeds(tensor)], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
@@ -77,7 +77,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec) -> tuple[dict, Any]:
                 text.append(str(part.get("text", "")))
             elif kind == PART_TYPE:
                 try:
-                    t = wire.decode_tensor(part.get(PART_TYPE), budget)
+                    t = seg.decode_span(part.get(PART_TYPE), budget, resolve)
                 except wire.WireError as e:
                     raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
                 budget -= t.numel() * 4
@@ -109,15 +109,15 @@ def split_markers(text: str, tensors: list) -> list[seg.Segment]:
     return prompt.segments
 
 
-def _forwarding(build: Callable[[dict, prompts.ModelSpec], tuple[dict, Any]]) -> Callable:
-    async def route(body: dict, request: Any) -> Any:
+def _forwarding(build: Callable[..., tuple[dict, Any]]) -> Callable:
+    async def route(body: dict, request: Any, resolve: seg.Resolver) -> Any:
         import asyncio
 
         import orjson
 
         from sgl_embeds.srt.http import server_spec
 
-        stock_body, overrides = await asyncio.to_thread(build, body, server_spec())
+        stock_body, overrides = await asyncio.to_thread(build, body, server_spec(), resolve)
         PENDING.set(overrides)
         return orjson.dumps(stock_body)
 

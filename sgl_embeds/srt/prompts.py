@@ -47,8 +47,9 @@ def has_span_fields(body: dict) -> bool:
     return body.get("input_segments") is not None or body.get("input_embeds") is not None
 
 
-def parse_prompts(body: dict, max_bytes: int) -> tuple[list[list[seg.Segment]], bool]:
-    """The span prompts of a request body: (one segment list per prompt, is_batch)."""
+def parse_prompts(body: dict, max_bytes: int, resolve: seg.Resolver | None = None) -> tuple[list[list[seg.Segment]], bool]:
+    """The span prompts of a request body: (one segment list per prompt, is_batch).
+    ``resolve`` looks up span handles (HTTP only)."""
     if body.get("input_segments") is not None and body.get("input_embeds") is not None:
         raise ValueError("give either input_segments or input_embeds, not both")
     for other in ("text", "input_ids"):
@@ -58,12 +59,12 @@ def parse_prompts(body: dict, max_bytes: int) -> tuple[list[list[seg.Segment]], 
     if body.get("input_segments") is not None:
         items = body["input_segments"]
         if isinstance(items, list) and items and isinstance(items[0], list):
-            return [seg.segments_from_wire(p, max_bytes) for p in items], True
-        return [seg.segments_from_wire(items, max_bytes)], False
+            return [seg.segments_from_wire(p, max_bytes, resolve) for p in items], True
+        return [seg.segments_from_wire(items, max_bytes, resolve)], False
     embeds = body["input_embeds"]
     if _is_batch_of_tensors(embeds):
-        return [[seg.Embeds(wire.decode_tensor(e, max_bytes))] for e in embeds], True
-    return [[seg.Embeds(wire.decode_tensor(embeds, max_bytes))]], False
+        return [[seg.Embeds(seg.decode_span(e, max_bytes, resolve))] for e in embeds], True
+    return [[seg.Embeds(seg.decode_span(embeds, max_bytes, resolve))]], False
 
 
 def _is_batch_of_tensors(x: Any) -> bool:
@@ -115,10 +116,10 @@ def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool
     return ids, overrides
 
 
-def to_generate_kwargs(body: dict, spec: ModelSpec) -> dict:
+def to_generate_kwargs(body: dict, spec: ModelSpec, resolve: seg.Resolver | None = None) -> dict:
     """Replace the span fields of a ``/generate``-shaped body by ``input_ids`` and
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
-    prompts, is_batch = parse_prompts(body, max_request_bytes())
+    prompts, is_batch = parse_prompts(body, max_request_bytes(), resolve)
     built = [build_ids(p, spec) for p in prompts]
     out = {k: v for k, v in body.items() if k not in SPAN_FIELDS}
     if is_batch:
@@ -137,11 +138,11 @@ def _parallel_samples(sampling_params: Any) -> int:
     return n if isinstance(n, int) and n > 1 else 1
 
 
-def make_generate_req(body: dict, spec: ModelSpec):
+def make_generate_req(body: dict, spec: ModelSpec, resolve: seg.Resolver | None = None):
     """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    kwargs = to_generate_kwargs(body, spec)
+    kwargs = to_generate_kwargs(body, spec, resolve)
     try:
         return GenerateReqInput(**kwargs)
     except TypeError as e:

@@ -1,0 +1,63 @@
+"""Span handles: upload once, refer by handle (HTTP), LRU store bounded in bytes."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from helpers import body, generate, span, text
+from sgl_embeds import wire
+from sgl_embeds.srt.handles import SpanStore
+
+
+def test_store_evicts_least_recently_used_within_its_budget():
+    store = SpanStore(budget=3 * 64 * 4)
+    a, b, c, d = (torch.full((1, 64), float(i)) for i in range(4))
+    ha, hb, hc = store.put(a), store.put(b), store.put(c)
+    assert store.put(a.clone()) == ha  # same rows, same handle (content hash); now most recent
+    store.put(d)  # evicts b, the least recently used
+    assert torch.equal(store.get(ha), a) and torch.equal(store.get(hc), c)
+    with pytest.raises(ValueError, match="unknown span handle"):
+        store.get(hb)
+    assert store.stats() == {"count": 3, "bytes": 3 * 64 * 4, "budget": 3 * 64 * 4}
+    with pytest.raises(ValueError, match="exceeds the handle store's budget"):
+        store.put(torch.zeros(4, 64))
+    assert store.delete(ha) and not store.delete(ha) and store.stats()["count"] == 2
+
+
+def test_upload_once_and_refer_by_handle_everywhere(llama_server):
+    url = llama_server.url
+    rows = torch.randn(10, 64, generator=torch.Generator().manual_seed(42)) * 0.05
+    up = requests.post(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}, timeout=60)
+    assert up.status_code == 200, up.text
+    handle = up.json()["handle"]
+    assert up.json()["shape"] == [10, 64] and handle.startswith("span-")
+    again = requests.post(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows, "json")}, timeout=60).json()
+    assert again["handle"] == handle
+    inline = generate(llama_server, body([text("the fox"), span(rows)], 8))
+    by_handle = generate(llama_server, body([text("the fox"), {"type": "embeds", "embeds": {"handle": handle}}], 8))
+    assert by_handle["output_ids"] == inline["output_ids"]
+    assert by_handle["meta_info"]["cached_tokens"] >= 10  # same rows, same placeholders, same cache
+    full = generate(llama_server, {"input_embeds": {"handle": handle}, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    assert full["meta_info"]["prompt_tokens"] == 10
+    chat = requests.post(url + "/v1/chat/completions", json={"model": "default", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [{"type": "input_embeds", "input_embeds": {"handle": handle}}]}]}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    info = requests.get(url + "/sgl_embeds/info", timeout=30).json()["span_store"]
+    assert info["count"] >= 1 and info["bytes"] >= 10 * 64 * 4
+    assert requests.delete(url + f"/sgl_embeds/spans/{handle}", timeout=30).json() == {"deleted": True}
+    assert requests.delete(url + f"/sgl_embeds/spans/{handle}", timeout=30).status_code == 404
+    gone = llama_server.generate(body([text("the fox"), {"type": "embeds", "embeds": {"handle": handle}}], 2))
+    assert gone.status_code == 400 and "unknown span handle" in gone.json()["message"]
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"embeds": wire.encode_tensor(torch.zeros(2, 65))}, "hidden size 65"),
+    ({"embeds": wire.encode_tensor(torch.full((1, 64), float("inf")))}, "NaN or Inf"),
+    ({"tensor": [[0.0] * 64]}, "upload a span as"),
+    ({"embeds": {"handle": "span-x", "data": "AAAA"}}, "unknown keys"),
+])
+def test_bad_uploads_are_400s(llama_server, payload, message):
+    r = requests.post(llama_server.url + "/sgl_embeds/spans", json=payload, timeout=60)
+    assert r.status_code == 400 and message in r.json()["message"], r.text
