@@ -24,6 +24,7 @@ def _random_prompt(seed: int) -> list:
     return parts
 
 
+@pytest.mark.server  # the server fixture is looked up by name below
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_spans_match_hf_generate(arch, seed, request):

@@ -9,6 +9,8 @@ import pytest
 
 from sgl_embeds.testing.server import Server, ServerStartError
 
+pytestmark = pytest.mark.server  # these start (failing) server processes
+
 
 def test_missing_model_dir_fails_fast(tmp_path):
     with pytest.raises(ServerStartError, match="no config.json"):
