@@ -179,7 +179,9 @@ def check_tensor(t: torch.Tensor, hidden_size: int | None = None) -> None:
         raise WireError(f"a span of {n} rows exceeds the limit of {MAX_ROWS}")
     if hidden_size is not None and h != hidden_size:
         raise WireError(f"embeddings have hidden size {h} but the model's hidden size is {hidden_size}")
-    if not torch.isfinite(t).all():
+    # A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves every value finite
+    # (one fast reduction); a non-finite sum (NaN/Inf, or a finite overflow) gets the full check.
+    if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
         bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0])
         raise WireError(f"embeddings contain NaN or Inf (first in row {bad})")
 

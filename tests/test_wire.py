@@ -73,3 +73,9 @@ def test_size_limit_is_checked_before_decoding():
 def test_hidden_size_is_checked():
     with pytest.raises(wire.WireError, match="hidden size 5 but the model's hidden size is 64"):
         wire.check_tensor(torch.zeros(2, 5), hidden_size=64)
+
+
+def test_large_finite_values_are_accepted_even_when_their_sum_overflows():
+    wire.check_tensor(torch.full((4, 8), 3e38))  # the sum is inf, every value is finite
+    with pytest.raises(wire.WireError, match="first in row 2"):
+        wire.check_tensor(torch.cat([torch.full((2, 8), 3e38), torch.tensor([[float("nan")] * 8])]))
