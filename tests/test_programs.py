@@ -50,8 +50,9 @@ def test_caption_regions_encodes_each_crop(backend):
     assert len(state["captions"]) == 2 and all(isinstance(c, str) for c in state["captions"])
     enc = GridEncoder()
     sent = sgl_embeds.compile_program(caption_regions, backend, image=scene, boxes=boxes, max_tokens=6)
-    regions = [[s.tensor for s in call if isinstance(s, seg.Embeds)][-1] for call in sent[:2]]
-    assert all(torch.equal(r, enc(crop(scene, b))) for r, b in zip(regions, boxes))
+    regions = [[s.tensor for s in call if isinstance(s, seg.Embeds)][-1] for call in sent[:2]]  # branches run in any order
+    for box in boxes:
+        assert sum(torch.equal(r, enc(crop(scene, box))) for r in regions) == 1, box
 
 
 def test_grounded_chat_reuses_the_cache_across_turns(backend):
