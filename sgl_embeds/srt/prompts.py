@@ -68,13 +68,14 @@ def parse_prompts(body: dict, max_bytes: int, resolve: seg.Resolver | None = Non
 
 
 def _is_batch_of_tensors(x: Any) -> bool:
-    """A list of encoded tensors: a list of dicts, or three levels of nested lists."""
+    """A list of tensors: of dicts (binary objects, handles), of 2-D tensors (in-process), or three
+    levels of nested lists."""
     if not isinstance(x, list) or not x:
         return False
     first = x[0]
-    if isinstance(first, (dict, torch.Tensor)) and not (isinstance(first, torch.Tensor) and first.dim() < 2):
-        return True
-    return isinstance(first, list) and bool(first) and isinstance(first[0], list)
+    if isinstance(first, torch.Tensor):
+        return first.dim() >= 2
+    return isinstance(first, dict) or (isinstance(first, list) and bool(first) and isinstance(first[0], list))
 
 
 def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
