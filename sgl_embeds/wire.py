@@ -170,6 +170,13 @@ def decode_json_lists(obj: list, max_bytes: int) -> torch.Tensor:
 
 def check_tensor(t: torch.Tensor, hidden_size: int | None = None) -> None:
     """Shape and value checks that hold for every span, whatever the encoding."""
+    check_shape(t, hidden_size)
+    first_bad = first_non_finite_row(t)
+    if first_bad is not None:
+        raise WireError(f"embeddings contain NaN or Inf (first in row {first_bad})")
+
+
+def check_shape(t: torch.Tensor, hidden_size: int | None = None) -> None:
     if t.dim() != 2:
         raise WireError(f"embeddings must be 2-D [n, hidden], got shape {list(t.shape)}")
     n, h = t.shape
@@ -179,11 +186,17 @@ def check_tensor(t: torch.Tensor, hidden_size: int | None = None) -> None:
         raise WireError(f"a span of {n} rows exceeds the limit of {MAX_ROWS}")
     if hidden_size is not None and h != hidden_size:
         raise WireError(f"embeddings have hidden size {h} but the model's hidden size is {hidden_size}")
-    # A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves every value finite
-    # (one fast reduction); a non-finite sum (NaN/Inf, or a finite overflow) gets the full check.
-    if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-        bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0])
-        raise WireError(f"embeddings contain NaN or Inf (first in row {bad})")
+
+
+def first_non_finite_row(t: torch.Tensor) -> int | None:
+    """The first row holding a NaN or Inf, or None.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves every value finite
+    (one fast reduction); a non-finite sum (NaN/Inf, or a finite overflow) gets the full scan.
+    """
+    if torch.isfinite(t.sum()) or torch.isfinite(t).all():
+        return None
+    return int((~torch.isfinite(t)).any(dim=1).nonzero()[0])
 
 
 def _byteswap(raw: bytes, itemsize: int) -> bytes:  # pragma: no cover
