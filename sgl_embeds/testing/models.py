@@ -51,8 +51,9 @@ def _build_atomically(target: Path, build) -> Path:
     return target
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB):
-    """A byte-level BPE tokenizer trained on a synthetic corpus, with BOS/EOS and a chat template."""
+def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, extra_specials: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on a synthetic corpus, with BOS/EOS and a chat template
+    (``extra_specials``: more special tokens, e.g. a VLM's image token)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +66,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
@@ -75,7 +76,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB):
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials],
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
@@ -154,3 +155,84 @@ def demo_model_dir() -> Path:
         (tmp / "sgl_embeds_source.json").write_text(json.dumps({"gguf": gguf.name}))
 
     return _build_atomically(cache_dir() / f"smollm2-135m-instruct-{CACHE_VERSION}", build)
+
+
+# A LLaVA prompt format (as llava-1.5 checkpoints use), for the tiny VLM's processor.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] != 'user' %}</s>{% endif %} {% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+TINY_IMAGE_SIZE, TINY_PATCH = 32, 8
+
+
+def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
+    """A tiny random-weight ``LlavaForConditionalGeneration`` checkpoint with its ``LlavaProcessor``.
+
+    CLIP tower (hidden 32, 3 layers, QuickGELU, 32x32 pixels in 8x8 patches: 16 rows per image
+    with the "default" strategy), GELU MLP projector, and the tiny ``arch`` language model.
+    ``layout="saved"`` keeps the keys as transformers 5.19 ``save_pretrained`` writes them
+    (``language_model.model.*``, ``vision_tower.*``); ``"model"`` renames them to the layout of
+    the in-memory modules (``model.language_model.*``, ``model.vision_tower.vision_model.*``,
+    ``lm_head.*``), which transformers also loads. The language model
+    is scaled x3 (see ``tiny_model_dir``) and the projector x4, so that the image changes the answer.
+    """
+    if layout not in ("saved", "model"):
+        raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
+
+    def build(tmp: Path) -> None:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+        tok = train_tokenizer(tmp, extra_specials=("<image>",))
+        vision = CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH, hidden_act="quick_gelu", projection_dim=32,
+        )
+        config = LlavaConfig(
+            vision_config=vision.to_dict(), text_config=_tiny_config(arch, len(tok)).to_dict(),
+            image_token_index=tok.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
+            vision_feature_layer=-2, vision_feature_select_strategy="default",
+        )
+        torch.manual_seed(2024 if arch == "llama" else 4202)
+        model = LlavaForConditionalGeneration(config).to(torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "language_model" in name or name.startswith("lm_head"):
+                    if "norm" not in name:
+                        p.mul_(3.0)
+                elif "multi_modal_projector" in name:
+                    p.mul_(4.0)
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(
+                size={"shortest_edge": TINY_IMAGE_SIZE}, crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}),
+            tokenizer=tok, patch_size=TINY_PATCH, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE,
+        )
+        processor.save_pretrained(tmp)
+        if layout == "model":
+            _rename_to_model_layout(tmp)
+
+    return _build_atomically(cache_dir() / f"tiny-llava-{arch}-{layout}-{CACHE_VERSION}", build)
+
+
+def _rename_to_model_layout(directory: Path) -> None:
+    """Rewrite a saved LLaVA checkpoint's keys in the module layout (``model.language_model.*``,
+    ``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``, ``lm_head.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    renamed = {}
+    for key, value in load_file(str(path)).items():
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model."):]
+        elif key.startswith("language_model.lm_head."):
+            key = key[len("language_model."):]
+        elif key.startswith("vision_tower."):
+            key = "model.vision_tower.vision_model." + key[len("vision_tower."):]
+        else:
+            key = "model." + key
+        renamed[key] = value.contiguous()
+    save_file(renamed, str(path), metadata={"format": "pt"})

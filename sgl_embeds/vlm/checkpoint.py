@@ -1,0 +1,257 @@
+"""Split an HF LLaVA checkpoint into an LLM that SGLang serves and a vision half that we run.
+
+``split(SRC, DST)`` reads a ``LlavaForConditionalGeneration`` directory as transformers writes
+it (safetensors, one file or an index of shards; both key layouts: ``language_model.model.*``
+as ``save_pretrained`` writes it, and ``model.language_model.*`` as the modules name it) and
+writes:
+
+* ``DST/llm/``: an ordinary causal-LM directory (config, weights, tokenizer, generation config,
+  chat template) for ``python -m sglang.launch_server --model-path DST/llm``;
+* ``DST/vision/``: the CLIP tower (mapped to open_clip names) and the projector in
+  ``model.safetensors``, the settings in ``sgl_embeds_vision.json`` (``tower.VisionConfig``), and
+  the checkpoint's prompt template as ``chat_template.jinja``.
+
+Anything it cannot carry over exactly is a ``ValueError`` naming the key or the config field.
+Weights are read with safetensors only: a ``.bin`` checkpoint is refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sgl_embeds.vlm.pixels import ImageProcessing
+from sgl_embeds.vlm.tower import (
+    CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
+)
+
+SHARD_BYTES = 4 << 30
+_LLM_FILES = ("generation_config.json",)
+
+
+def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths."""
+    from transformers import AutoConfig
+
+    src, dst = Path(src), Path(dst)
+    raw = _read_json(src / "config.json")
+    if raw.get("model_type") != "llava":
+        raise ValueError(f"{src}/config.json: model_type is {raw.get('model_type')!r}; only 'llava' "
+                         "(LlavaForConditionalGeneration) checkpoints can be split")
+    vision_type = raw.get("vision_config", {}).get("model_type")
+    if vision_type != "clip_vision_model":
+        raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
+                         "(clip_vision_model) map onto open_clip")
+    config = AutoConfig.from_pretrained(src)
+    arch = _causal_lm_architecture(config.text_config)
+    log(f"[split] {src}: LLaVA with a CLIP tower and a {arch} language model")
+
+    weights = _weight_index(src)
+    llm_keys, tower_keys, projector_keys = _partition(weights)
+    vision = _vision_config(src, config, projector_keys)
+    log(f"[split] {len(llm_keys)} language-model tensors, {len(tower_keys)} tower, {len(projector_keys)} projector")
+
+    llm_dir, vision_dir = dst / "llm", dst / "vision"
+    for d in (llm_dir, vision_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    _write_llm(src, config, arch, weights, llm_keys, llm_dir, log)
+    tower = clip_to_open_clip({k: _tensor(weights, full) for k, full in tower_keys.items()}, vision.tower.layers)
+    state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
+    state.update({f"projector.{k}": _tensor(weights, full).contiguous() for k, full in projector_keys.items()})
+    from safetensors.torch import save_file
+
+    save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    (vision_dir / CONFIG_NAME).write_text(vision.to_json())
+    template = _processor_chat_template(src)
+    if template:
+        (vision_dir / "chat_template.jinja").write_text(template)
+    log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width {vision.tower.width}), "
+        f"feature layers {list(vision.feature_layers)}, {vision.rows_per_image} rows per image -> {vision_dir}")
+    return llm_dir, vision_dir
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: is {path.parent} a saved HF checkpoint?")
+    return json.loads(path.read_text())
+
+
+def _causal_lm_architecture(text_config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = (getattr(text_config, "architectures", None) or [None])[0]
+    arch = arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_config.model_type)
+    if arch is None:
+        raise ValueError(f"text_config.model_type {text_config.model_type!r} has no causal-LM class in transformers")
+    if not _sglang_serves(arch):
+        raise ValueError(f"text_config: SGLang has no model class {arch!r}, so it cannot serve this language model")
+    return arch
+
+
+def _sglang_serves(arch: str) -> bool:
+    """Whether SGLang's model folder defines ``arch`` (read as text: importing every model is slow)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return True  # a client-only machine: the server will say so when it loads the model
+    models = Path(list(spec.submodule_search_locations)[0]) / "srt" / "models"
+    needle = f"class {arch}("
+    return any(needle in p.read_text(errors="replace") for p in models.glob("*.py"))
+
+
+def _weight_index(src: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        return {k: src / f for k, f in _read_json(index)["weight_map"].items()}
+    single = src / "model.safetensors"
+    if single.exists():
+        with safe_open(str(single), "pt") as f:
+            return {k: single for k in f.keys()}
+    if any(src.glob("*.bin")):
+        raise ValueError(f"{src} holds only .bin (pickle) weights: convert them to safetensors first "
+                         "(sgl_embeds never unpickles a checkpoint)")
+    raise FileNotFoundError(f"{src} has no model.safetensors or model.safetensors.index.json")
+
+
+def _tensor(weights: dict[str, Path], key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(weights[key]), "pt") as f:
+        return f.get_tensor(key)
+
+
+def _partition(weights: dict[str, Path]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """(llm, tower, projector) maps from the name each part uses to the checkpoint's key."""
+    llm, tower, projector = {}, {}, {}
+    for key in weights:
+        name = key[len("model."):] if key.startswith("model.") and not key.startswith("model.model.") else key
+        if name.startswith("language_model.model."):
+            llm["model." + name[len("language_model.model."):]] = key
+        elif name.startswith("language_model.lm_head."):
+            llm[name[len("language_model."):]] = key
+        elif name.startswith("language_model."):
+            llm["model." + name[len("language_model."):]] = key
+        elif key.startswith("lm_head."):
+            llm[key] = key
+        elif name.startswith("vision_tower."):
+            rest = name[len("vision_tower."):]
+            tower[rest[len("vision_model."):] if rest.startswith("vision_model.") else rest] = key
+        elif name.startswith("multi_modal_projector."):
+            projector[name[len("multi_modal_projector."):]] = key
+        else:
+            raise ValueError(f"checkpoint key {key!r} belongs to no known part of a LLaVA model")
+    if not projector:
+        raise ValueError("missing projector: the checkpoint has no multi_modal_projector.* weights")
+    if not tower:
+        raise ValueError("missing vision tower: the checkpoint has no vision_tower.* weights")
+    return llm, tower, projector
+
+
+def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionConfig:
+    known = {f"linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
+    unknown = sorted(set(projector_keys) - known)
+    declared = getattr(config, "projector_type", None) or getattr(config, "mm_projector_type", None)
+    if unknown or (declared not in (None, "mlp2x_gelu")):
+        raise ValueError(f"unknown projector type (projector_type={declared!r}, keys "
+                         f"{['multi_modal_projector.' + k for k in unknown] or sorted(projector_keys)}): only "
+                         "LLaVA's linear_1 -> act -> linear_2 is supported")
+    for key in ("linear_1.weight", "linear_2.weight"):
+        if key not in projector_keys:
+            raise ValueError(f"missing projector weight multi_modal_projector.{key}")
+    bias = "linear_1.bias" in projector_keys
+    v = config.vision_config
+    layers = config.vision_feature_layer
+    geometry = TowerGeometry(
+        image_size=v.image_size, patch_size=v.patch_size, width=v.hidden_size, layers=v.num_hidden_layers,
+        heads=v.num_attention_heads, mlp_width=v.intermediate_size, act=v.hidden_act, layer_norm_eps=v.layer_norm_eps,
+    )
+    processing, image_token, rows_by_processor = _image_processing(src)
+    vision = VisionConfig(
+        tower=geometry, feature_layers=tuple([layers] if isinstance(layers, int) else layers),
+        select_strategy=config.vision_feature_select_strategy, projector_act=config.projector_hidden_act,
+        projector_bias=bias, llm_hidden_size=config.text_config.hidden_size, processing=processing,
+        image_token=image_token, image_token_id=config.image_token_id,
+    )
+    if rows_by_processor is not None and rows_by_processor != vision.rows_per_image:
+        raise ValueError(f"the processor expands {image_token!r} into {rows_by_processor} tokens but the tower "
+                         f"gives {vision.rows_per_image} rows (check num_additional_image_tokens and patch_size)")
+    if processing.crop_size != (v.image_size, v.image_size):
+        raise ValueError(f"image processor crop_size {processing.crop_size} differs from the tower's "
+                         f"image_size {v.image_size}")
+    return vision
+
+
+def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
+    """The checkpoint's image processing, its image token, and the rows its processor expands it to."""
+    from transformers import AutoImageProcessor
+    from transformers.image_processing_backends import TorchvisionBackend
+
+    processor = AutoImageProcessor.from_pretrained(src)
+    if getattr(processor, "do_pad", False):
+        raise ValueError("image processor do_pad=True (pad to square) is not supported")
+    backend = "torchvision" if isinstance(processor, TorchvisionBackend) else "pil"
+    processing = ImageProcessing.from_hf(processor, backend)
+    settings = {}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (src / name).exists():
+            settings = {**_read_json(src / name), **settings}
+    image_token = settings.get("image_token", "<image>")
+    rows = None
+    if settings.get("patch_size"):
+        h, w = processing.crop_size
+        rows = (h // settings["patch_size"]) * (w // settings["patch_size"]) + settings.get("num_additional_image_tokens", 0)
+        if settings.get("vision_feature_select_strategy") == "default":
+            rows -= 1
+    return processing, image_token, rows
+
+
+def _processor_chat_template(src: Path) -> str | None:
+    if (src / "chat_template.jinja").exists():
+        return (src / "chat_template.jinja").read_text()
+    if (src / "chat_template.json").exists():
+        return _read_json(src / "chat_template.json").get("chat_template")
+    return None
+
+
+def _write_llm(src: Path, config, arch: str, weights: dict[str, Path], llm_keys: dict[str, str],
+               out: Path, log: Callable[[str], None]) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    text = config.text_config
+    text.architectures = [arch]
+    text.save_pretrained(out)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(llm_keys):
+        t = _tensor(weights, llm_keys[name]).contiguous()
+        if size and size + t.numel() * t.element_size() > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * t.element_size()
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _processor_chat_template(src)
+    tokenizer.save_pretrained(out)
+    for name in _LLM_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    log(f"[split] llm: {arch}, {len(llm_keys)} tensors in {len(shards)} file(s) -> {out}")
