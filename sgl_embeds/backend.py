@@ -15,6 +15,7 @@ from sglang.utils import http_request
 from sgl_embeds import lang
 from sgl_embeds import segments as seg
 from sgl_embeds import wire
+from sgl_embeds.vision import EncoderCache
 
 # select() reads the text of each input-logprob entry; a span row's entry is null on the wire.
 _NULL_ENTRY_STANDIN = [0.0, -1, "\x00"]
@@ -23,7 +24,9 @@ _NULL_ENTRY_STANDIN = [0.0, -1, "\x00"]
 class EmbedsEndpoint(RuntimeEndpoint):
     """Backend for programs with ``sgl.embeds`` / ``sgl.region`` against a server running the
     sgl_embeds plugin. ``wire_format`` is ``"base64"`` (raw bytes, default) or ``"json"``;
-    ``wire_dtype`` picks float32/float16/bfloat16 for base64 (default: the tensor's own)."""
+    ``wire_dtype`` picks float32/float16/bfloat16 for base64 (default: the tensor's own).
+    ``vision_encoder`` encodes ``sgl.image`` / ``sgl.region`` client-side; its outputs are kept in
+    ``encoder_cache`` (an ``EncoderCache`` of ``encoder_cache_bytes``; 0 turns it off)."""
 
     def __init__(
         self,
@@ -35,11 +38,13 @@ class EmbedsEndpoint(RuntimeEndpoint):
         api_key: str | None = None,
         verify: str | None = None,
         chat_template_name: str | None = None,
+        encoder_cache_bytes: int = 256 << 20,
     ):
         if wire_format not in ("base64", "json"):
             raise ValueError(f"wire_format must be 'base64' or 'json', got {wire_format!r}")
         super().__init__(base_url, api_key=api_key, verify=verify, chat_template_name=chat_template_name)
         self.vision_encoder = vision_encoder
+        self.encoder_cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes > 0 else None
         self.wire_format, self.wire_dtype = wire_format, wire_dtype
         res = http_request(self.base_url + "/sgl_embeds/info", api_key=self.api_key, verify=self.verify)
         if res.status_code != 200:

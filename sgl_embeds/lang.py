@@ -37,13 +37,17 @@ class SglEmbeds(SglExpr):
 
 
 class SglRegion(SglExpr):
-    """The embeddings of a box of an image, computed when the program runs."""
+    """The embeddings of a box or mask region of an image, computed when the program runs."""
 
-    def __init__(self, box: Sequence[float], image: Any = None, encoder: Callable | None = None):
+    def __init__(self, box: Any, image: Any = None, encoder: Callable | None = None):
         super().__init__()
         self.box, self.image, self.encoder = box, image, encoder
 
     def __repr__(self) -> str:
+        from sgl_embeds.vision import is_mask
+
+        if is_mask(self.box):
+            return f"SglRegion(mask of shape {list(self.box.shape)})"
         return f"SglRegion(box={self.box})"
 
 
@@ -56,15 +60,19 @@ def embeds(x: Any) -> SglEmbeds:
     return SglEmbeds(t.detach().cpu())
 
 
-def region(box: Sequence[float], image: Any = None, encoder: Callable | None = None) -> SglRegion:
-    """The embeddings of ``box`` of ``image`` (default: the program's last ``sgl.image``).
+def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglRegion:
+    """The embeddings of a region of ``image`` (default: the program's last ``sgl.image``).
 
-    ``box`` is ``(x0, y0, x1, y1)``: ints are pixels, floats in [0, 1] are fractions of the image
-    size (see ``vision.to_pixel_box``). ``encoder`` defaults to the backend's ``vision_encoder``.
+    ``box`` is ``(x0, y0, x1, y1)`` (ints are pixels, floats in [0, 1] are fractions of the image
+    size, see ``vision.to_pixel_box``) or a binary mask of the image's size (numpy array, torch
+    tensor or PIL image; see ``vision.mask_image``). ``encoder`` defaults to the backend's
+    ``vision_encoder``.
     """
-    from sgl_embeds.vision import check_box_form
+    from sgl_embeds.vision import check_box_form, check_mask, is_mask
 
-    if not isinstance(box, SglArgument):
+    if is_mask(box):
+        check_mask(box)
+    elif not isinstance(box, SglArgument):
         check_box_form(box)
     return SglRegion(box, image, encoder)
 
@@ -93,9 +101,20 @@ def has_markers(text: str) -> bool:
     return seg.MARK_OPEN in text
 
 
-def _execute_region(executor: Any, expr: SglRegion) -> None:
-    from sgl_embeds.vision import encode_region, load_image
+def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) -> torch.Tensor:
+    """Encoder rows of an image or a region, through the backend's ``encoder_cache`` if it has one."""
+    from sgl_embeds import vision
 
+    image = vision.load_image(image)
+    cache = getattr(executor.backend, "encoder_cache", None)
+    if cache is not None:
+        return cache.encode(encoder, image, region)
+    if region is None:
+        return vision.checked_rows(encoder(image))
+    return vision.encode_region(image, region, encoder)
+
+
+def _execute_region(executor: Any, expr: SglRegion) -> None:
     image = expr.image
     if image is None:
         images = getattr(executor, _IMAGES, [])
@@ -105,7 +124,7 @@ def _execute_region(executor: Any, expr: SglRegion) -> None:
     encoder = expr.encoder or getattr(executor.backend, "vision_encoder", None)
     if encoder is None:
         raise ValueError("sgl.region needs a VisionEncoder: pass encoder=... or give the backend one")
-    add_span(executor, encode_region(load_image(image), expr.box, encoder))
+    add_span(executor, _encode(executor, encoder, image, expr.box))
 
 
 def _remember_image(executor: Any, source: Any) -> None:
@@ -127,9 +146,7 @@ def execute(original: Callable, self: Any, other: Any) -> Any:
         _remember_image(self, other.path)
         encoder = getattr(self.backend, "vision_encoder", None)
         if encoder is not None:
-            from sgl_embeds.vision import load_image
-
-            return add_span(self, encoder(load_image(other.path)))
+            return add_span(self, _encode(self, encoder, other.path))
     return original(self, other)
 
 

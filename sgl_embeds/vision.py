@@ -10,19 +10,34 @@ Boxes are ``(x0, y0, x1, y1)`` with ``x0 < x1`` and ``y0 < y1``:
 * all ``float`` in ``[0, 1]``: fractions of the width and height.
 
 Mixing ints and floats, or floats outside ``[0, 1]``, is ambiguous and raises ``ValueError``.
+
+A region may also be a binary *mask* (a 2-D numpy array, torch tensor or PIL image of the image's
+size): the encoder sees the mask's bounding box with the pixels outside the mask painted in the
+encoder's ``mean_color`` (the image processor's mean, which normalizes to about zero), so that
+only the masked pixels carry information.
+
+``EncoderCache`` keeps encoder outputs by (encoder identity, image content, box or mask): ten
+questions about one image run the tower once.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import math
+import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, Union
 
+import numpy as np
 import torch
 from PIL import Image
+
+# Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
+DEFAULT_MEAN_COLOR = (123, 117, 104)
 
 
 class VisionEncoder(Protocol):
@@ -65,14 +80,128 @@ def crop(image: Image.Image, box: Sequence[float]) -> Image.Image:
     return image.crop(to_pixel_box(box, *image.size))
 
 
-def encode_region(image: Image.Image, box: Sequence[float], encoder: VisionEncoder) -> torch.Tensor:
-    """``encoder`` applied to the crop, checked to be a finite ``[n, hidden]`` tensor."""
+MaskLike = Union[np.ndarray, torch.Tensor, Image.Image]
+
+
+def is_mask(region: Any) -> bool:
+    return isinstance(region, (np.ndarray, torch.Tensor, Image.Image))
+
+
+def check_mask(mask: MaskLike) -> np.ndarray:
+    """A binary mask as a 2-D bool array; ``ValueError`` for anything else or an empty mask.
+
+    Accepted values: bool, or numbers that are all 0/1 or all 0/255 (an "L" or "1" PIL image)."""
+    if isinstance(mask, Image.Image):
+        if mask.mode not in ("1", "L"):
+            raise ValueError(f"a mask image must be mode '1' or 'L' (one channel), got mode {mask.mode!r}")
+        array = np.asarray(mask)
+    elif isinstance(mask, torch.Tensor):
+        array = mask.detach().cpu().numpy()
+    else:
+        array = np.asarray(mask)
+    if array.ndim != 2:
+        raise ValueError(f"a mask must be 2-D (height, width), got shape {list(array.shape)}")
+    if array.dtype != bool:
+        if array.dtype.kind not in "fiu":
+            raise ValueError(f"a mask must hold bools or numbers, got dtype {array.dtype}")
+        values = np.unique(array)
+        if not (set(values.tolist()) <= {0, 1} or set(values.tolist()) <= {0, 255}):
+            raise ValueError(f"a mask must be binary (0/1, 0/255 or bool), found values {values[:6].tolist()}")
+        array = array != 0
+    if not array.any():
+        raise ValueError("the mask is empty: no pixel is selected")
+    return array
+
+
+def mask_image(image: Image.Image, mask: np.ndarray, fill: Sequence[int]) -> Image.Image:
+    """The mask's bounding box of ``image``, with pixels outside the mask set to ``fill``."""
+    if mask.shape != (image.height, image.width):
+        raise ValueError(f"the mask has shape {list(mask.shape)} but the image is {image.height}x{image.width} "
+                         "(height x width): a mask must have the image's size")
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    y0, y1, x0, x1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    pixels = np.array(image.convert("RGB").crop((x0, y0, x1, y1)))
+    pixels[~mask[y0:y1, x0:x1]] = np.asarray(fill, dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
+    """What the encoder sees for ``region`` (a box or a mask, see the module docstring)."""
+    if is_mask(region):
+        return mask_image(image, check_mask(region), getattr(encoder, "mean_color", DEFAULT_MEAN_COLOR))
+    return crop(image, region)
+
+
+def encode_region(image: Image.Image, box: Any, encoder: VisionEncoder) -> torch.Tensor:
+    """``encoder`` applied to the box or mask region, checked to be a finite ``[n, hidden]`` tensor."""
+    return checked_rows(encoder(region_image(image, box, encoder)))
+
+
+def checked_rows(out: Any) -> torch.Tensor:
     from sgl_embeds import wire
 
-    out = encoder(crop(image, box))
     t = wire.as_2d_tensor(out)
     wire.check_tensor(t)
     return t.detach().cpu()
+
+
+class EncoderCache:
+    """Encoder outputs by (encoder identity, image content hash, box or mask), LRU, at most
+    ``max_bytes``. An encoder's identity is its ``identity`` attribute (``LlavaEncoder`` hashes its
+    weights and settings) or, failing that, the object itself; ``hits`` and ``misses`` count calls."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.hits = self.misses = 0
+        self._items: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
+        self._lock = threading.Lock()
+
+    def encode(self, encoder: VisionEncoder, image: Image.Image, region: Any = None) -> torch.Tensor:
+        key = (self._identity(encoder), image_digest(image), _region_key(region, image))
+        with self._lock:
+            if key in self._items:
+                self.hits += 1
+                self._items.move_to_end(key)
+                return self._items[key]
+            self.misses += 1
+        rows = checked_rows(encoder(image)) if region is None else encode_region(image, region, encoder)
+        nbytes = rows.numel() * rows.element_size()
+        with self._lock:
+            if nbytes <= self.max_bytes and key not in self._items:
+                self._items[key] = rows
+                self._bytes += nbytes
+                while self._bytes > self.max_bytes:
+                    _, old = self._items.popitem(last=False)
+                    self._bytes -= old.numel() * old.element_size()
+        return rows
+
+    def _identity(self, encoder: Any) -> Any:
+        identity = getattr(encoder, "identity", None)
+        if identity is None:
+            self._encoders[id(encoder)] = encoder
+            identity = ("object", id(encoder))
+        return identity
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "entries": len(self._items), "bytes": self._bytes}
+
+
+def image_digest(image: Image.Image) -> str:
+    h = hashlib.sha256(f"{image.mode}{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def _region_key(region: Any, image: Image.Image) -> tuple:
+    if region is None:
+        return ("image",)
+    if is_mask(region):
+        mask = check_mask(region)
+        return ("mask", mask.shape, hashlib.sha256(np.packbits(mask).tobytes()).hexdigest())
+    return ("box", to_pixel_box(region, *image.size))
 
 
 def load_image(source: Any) -> Image.Image:

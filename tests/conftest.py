@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_embeds.testing.models import tiny_model_dir
+from sgl_embeds.testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds.testing.server import Server
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
@@ -50,6 +50,40 @@ def qwen_server(qwen_dir):
 @pytest.fixture(scope="session")
 def constrained_server(llama_dir):
     server = _serve(llama_dir, CONSTRAINED_ARGS)
+    yield server
+    server.stop()
+
+
+def _split_llava(arch, tmp_path_factory):
+    from sgl_embeds.vlm import split
+
+    src = tiny_llava_dir(arch)
+    dst = tmp_path_factory.mktemp(f"llava-{arch}-split")
+    split(src, dst, log=lambda message: None)
+    return src, dst
+
+
+@pytest.fixture(scope="session")
+def llava_llama(tmp_path_factory):
+    """(checkpoint dir, split dir) of the tiny LLaVA with the Llama language model."""
+    return _split_llava("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llava_qwen(tmp_path_factory):
+    return _split_llava("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llava_llama_server(llava_llama):
+    server = _serve(llava_llama[1] / "llm", ["--enable-cache-report"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llava_qwen_server(llava_qwen):
+    server = _serve(llava_qwen[1] / "llm", ["--enable-cache-report"])
     yield server
     server.stop()
 

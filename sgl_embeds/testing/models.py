@@ -165,6 +165,7 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if m['role'] != 'user' %}</s>{% endif %} {% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 TINY_IMAGE_SIZE, TINY_PATCH = 32, 8
+_LLAVA_INIT = {"llama": (2024, 3.0), "qwen2": (5, 4.0)}  # arch -> (seed, language-model weight scale)
 
 
 def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
@@ -176,7 +177,8 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
     (``language_model.model.*``, ``vision_tower.*``); ``"model"`` renames them to the layout of
     the in-memory modules (``model.language_model.*``, ``model.vision_tower.vision_model.*``,
     ``lm_head.*``), which transformers also loads. The language model
-    is scaled x3 (see ``tiny_model_dir``) and the projector x4, so that the image changes the answer.
+    is scaled up (see ``tiny_model_dir``) and the projector x4, so that the image changes the answer
+    (seeds and scales picked so greedy answers of 10 tokens hold several distinct tokens).
     """
     if layout not in ("saved", "model"):
         raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
@@ -194,13 +196,14 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
             image_token_index=tok.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
             vision_feature_layer=-2, vision_feature_select_strategy="default",
         )
-        torch.manual_seed(2024 if arch == "llama" else 4202)
+        seed, lm_scale = _LLAVA_INIT[arch]
+        torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config).to(torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "language_model" in name or name.startswith("lm_head"):
                     if "norm" not in name:
-                        p.mul_(3.0)
+                        p.mul_(lm_scale)
                 elif "multi_modal_projector" in name:
                     p.mul_(4.0)
         model.generation_config.eos_token_id = 1
