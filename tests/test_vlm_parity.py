@@ -1,0 +1,129 @@
+"""A split tiny LLaVA served as its LLM by a real SGLang server plus the client-side open_clip
+vision half: greedy tokens of ``@sgl.function`` programs equal HF ``LlavaForConditionalGeneration``
+on the same checkpoint (float32), for whole images, boxes, masks and two images in one prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sglang as sgl
+from PIL import Image, ImageDraw
+
+import sgl_embeds
+from sgl_embeds import EmbedsEndpoint
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.encoders import synthetic_scene
+from sgl_embeds.vision import mask_image
+from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
+
+MAX_TOKENS = 10
+MIN_COMPARED = 8
+
+
+def _question(text: str, images: int = 1) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+
+def _images() -> list[Image.Image]:
+    """Three images of different sizes and aspect ratios, and clearly different content."""
+    stripes = Image.new("RGB", (120, 48), (240, 240, 240))
+    draw = ImageDraw.Draw(stripes)
+    for x in range(0, 120, 24):
+        draw.rectangle((x, 0, x + 11, 48), fill=(20, 120, 40))
+    return [synthetic_scene(), Image.new("RGB", (40, 40), (200, 30, 30)), stripes]
+
+
+@sgl.function
+def ask(s, text, images, image_token):
+    s += image_prompt(text, images, image_token)
+    s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+
+class VLM:
+    """One split checkpoint behind one server, and the helpers every test below uses."""
+
+    def __init__(self, checkpoint, split_dir, server):
+        self.checkpoint, self.split_dir = checkpoint, split_dir
+        self.encoder = load_encoder(split_dir / "vision", device="cpu")
+        self.backend = EmbedsEndpoint(server.url, vision_encoder=self.encoder)
+
+    def text(self, question: str, images: int = 1) -> str:
+        return render_chat(self.split_dir / "vision", _question(question, images))
+
+    def run(self, text: str, program_images: list) -> list[int]:
+        """The program's answer, and the output ids of the same segments sent directly."""
+        state = ask.run(text=text, images=program_images, image_token=self.encoder.image_token, backend=self.backend)
+        sent = sgl_embeds.compile_program(ask, like=self.backend, text=text, images=program_images,
+                                          image_token=self.encoder.image_token)[0]
+        direct = self.backend.run(input_segments=sent, sampling_params={"temperature": 0, "max_new_tokens": MAX_TOKENS})
+        assert state["answer"] == direct["text"]
+        return direct["output_ids"]
+
+    def check(self, text: str, program_images: list, hf_images: list, label: str) -> list[int]:
+        """Our tokens vs HF LLaVA's on ``hf_images``; returns HF's reference tokens."""
+        ours = self.run(text, program_images)
+        reference = ref.llava_greedy(self.checkpoint, text, hf_images, MAX_TOKENS)
+        ref.assert_not_degenerate(reference.tokens, f"{label}: ")
+        forgiven = ref.check_greedy(
+            ours, lambda prefix: ref.llava_greedy(self.checkpoint, text, hf_images, MAX_TOKENS, prefix), f"{label}: ")
+        assert len(ours) >= MIN_COMPARED, f"{label}: only {len(ours)} tokens compared"
+        print(f"{label}: compared {len(ours)} tokens with HF LLaVA, {forgiven} near-tie(s) forgiven")
+        return reference.tokens
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def vlm(request):
+    names = {"llama": ("llava_llama", "llava_llama_server"), "qwen2": ("llava_qwen", "llava_qwen_server")}
+    split_fixture, server_fixture = names[request.param]
+    checkpoint, split_dir = request.getfixturevalue(split_fixture)
+    return VLM(checkpoint, split_dir, request.getfixturevalue(server_fixture))
+
+
+def test_whole_images_match_hf_llava(vlm):
+    text = vlm.text("what is the color of the object")
+    references = [vlm.check(text, [image], [image], f"image {i}") for i, image in enumerate(_images())]
+    assert len({tuple(r) for r in references}) == len(references), f"the image must change the answer: {references}"
+
+
+def test_box_region_matches_hf_llava_on_the_crop(vlm):
+    scene, box = synthetic_scene(), (4, 4, 40, 36)
+    text = vlm.text("describe this region")
+    crop_tokens = vlm.check(text, [sgl.region(box, scene)], [scene.crop(box)], "box")
+    whole_tokens = ref.llava_greedy(vlm.checkpoint, text, [scene], MAX_TOKENS).tokens
+    assert crop_tokens != whole_tokens, "the crop must change the answer"
+
+
+def test_mask_region_matches_hf_llava_on_the_masked_crop(vlm):
+    scene = synthetic_scene()
+    mask = np.zeros((scene.height, scene.width), dtype=bool)
+    yy, xx = np.mgrid[: scene.height, : scene.width]
+    mask[(yy - 48) ** 2 + (xx - 70) ** 2 <= 14 ** 2] = True  # the blue disc
+    expected = mask_image(scene, mask, vlm.encoder.mean_color)
+    assert expected.size == (29, 29) and tuple(np.asarray(expected)[0, 0]) == vlm.encoder.mean_color
+    text = vlm.text("what is the color of the object")
+    masked = vlm.check(text, [sgl.region(mask, scene)], [expected], "mask")
+    boxed = ref.llava_greedy(vlm.checkpoint, text, [scene.crop((56, 34, 85, 63))], MAX_TOKENS).tokens
+    assert masked != boxed, "masking the box's corners must change the answer"
+
+
+def test_two_images_in_one_prompt_match_hf_llava(vlm):
+    a, b, c = _images()
+    text = vlm.text("which is brighter", images=2)
+    first = vlm.check(text, [a, b], [a, b], "two images")
+    swapped = ref.llava_greedy(vlm.checkpoint, text, [b, c], MAX_TOKENS).tokens
+    assert first != swapped
+
+
+def test_ten_questions_run_the_tower_once_and_hit_the_prefix_cache(vlm):
+    scene = synthetic_scene()
+    cache = vlm.backend.encoder_cache
+    before = cache.stats()
+    cached_tokens = []
+    for q in ["what is it", "what color", "is it big", "where is the dog", "what is left", "is there sky",
+              "how many", "what is on top", "describe it", "is it dark"]:
+        state = ask.run(text=vlm.text(q), images=[scene], image_token=vlm.encoder.image_token, backend=vlm.backend)
+        cached_tokens.append(state.get_meta_info("answer")["cached_tokens"])
+    after = cache.stats()
+    assert after["misses"] - before["misses"] <= 1 and after["hits"] - before["hits"] >= 9
+    rows = vlm.encoder.rows_per_image
+    assert all(c >= rows for c in cached_tokens[1:]), cached_tokens  # BOS + "USER: " + the image rows
