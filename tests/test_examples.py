@@ -23,8 +23,9 @@ def test_notebook_is_committed_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom(path, llama_server, monkeypatch, tmp_path):
+def test_notebook_runs_top_to_bottom(path, llama_server, llava_llama_server, monkeypatch, tmp_path):
     monkeypatch.setenv("SGL_EMBEDS_URL", llama_server.url)
+    monkeypatch.setenv("SGL_EMBEDS_VLM_URL", llava_llama_server.url)  # the tiny LLaVA's split LLM
     monkeypatch.setenv("MPLBACKEND", "Agg")
     book = nbformat.read(path, as_version=4)
     NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
