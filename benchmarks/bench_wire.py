@@ -17,8 +17,8 @@ import orjson
 import torch
 
 from common import demo_dir, machine, post, save, server, table
-from sgl_embeds import segments as seg
 from sgl_embeds import wire
+from sgl_embeds.srt.parse import segments_from_wire
 
 FORMATS = [("json", None), ("base64", "float32"), ("base64", "float16"), ("base64", "bfloat16")]
 
@@ -38,7 +38,7 @@ def measure(rows: int, hidden: int, fmt: str, dtype: str | None) -> dict:
     body = lambda: orjson.dumps({"input_segments": [{"type": "embeds", "embeds": wire.encode_tensor(x, fmt, dtype)}]})
     encode = best_of(body, repeat)
     raw = body()
-    decode = best_of(lambda: [wire.check_tensor(s.tensor, hidden) for s in seg.segments_from_wire(orjson.loads(raw)["input_segments"], 1 << 34)], repeat)
+    decode = best_of(lambda: [wire.check_tensor(s.tensor, hidden) for s in segments_from_wire(orjson.loads(raw)["input_segments"], 1 << 34)], repeat)
     return {"bytes": len(raw), "encode_s": encode, "decode_s": decode, "raw": raw}
 
 

@@ -17,8 +17,12 @@ from sgl_embeds import segments as seg
 from sgl_embeds import wire
 from sgl_embeds.vision import EncoderCache
 
-# select() reads the text of each input-logprob entry; a span row's entry is null on the wire.
-_NULL_ENTRY_STANDIN = [0.0, -1, "\x00"]
+# The server sends a null input-logprob entry for a span row (a row has no token, so no logprob
+# and no text). Stock select() reads every entry of the last prompt positions: it averages their
+# logprobs and compares the first entry's text with each choice (token healing). A span row
+# enters as logprob 0 with a text no choice starts with: the same for every choice, so it cannot
+# change which choice wins.
+SPAN_ROW_LOGPROB_ENTRY = (0.0, -1, "\x00")
 
 
 class EmbedsEndpoint(RuntimeEndpoint):
@@ -56,9 +60,9 @@ class EmbedsEndpoint(RuntimeEndpoint):
     def _add_images(self, s: Any, data: dict) -> None:
         texts = data.get("text")
         batch = texts if isinstance(texts, list) else [texts]
-        if any(isinstance(t, str) and lang.has_markers(t) for t in batch):
+        if any(isinstance(t, str) and seg.has_markers(t) for t in batch):
             table = lang.span_table(s)
-            wired = [self.encode_prompt(lang.compile_segments(t, table)) for t in batch]
+            wired = [self.encode_prompt(seg.split_at_markers(t, table), checked=True) for t in batch]
             data.pop("text")
             data["input_segments"] = wired if isinstance(texts, list) else wired[0]
         elif s.images_ and self.vision_encoder is None:
@@ -70,29 +74,13 @@ class EmbedsEndpoint(RuntimeEndpoint):
             entries = item.get("meta_info", {}).get("input_token_logprobs") or []
             for j, e in enumerate(entries):
                 if e is not None and e[1] is None:
-                    entries[j] = list(_NULL_ENTRY_STANDIN)
+                    entries[j] = list(SPAN_ROW_LOGPROB_ENTRY)
         return out
 
     # -- encoding -----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: seg.Prompt | list) -> list[dict]:
-        """Wire segments of a prompt, with every span checked against the server's hidden size."""
-        segments = prompt.segments if isinstance(prompt, seg.Prompt) else prompt
-        out = []
-        for i, s in enumerate(segments):
-            if isinstance(s, dict):
-                s = seg.segments_from_wire([s])[0]
-            if isinstance(s, seg.Embeds):
-                self.check_span(s.tensor, f"segment {i}: ")
-            out.append(seg.segment_to_wire(s, self.wire_format, self.wire_dtype))
-        return out
-
-    def check_span(self, x: Any, where: str = "") -> Any:
-        t = wire.as_2d_tensor(x)
-        try:
-            wire.check_tensor(t, self.hidden_size)
-        except wire.WireError as e:
-            raise ValueError(f"{where}{e}") from None
-        return t
+    def encode_prompt(self, prompt: seg.Prompt | list, checked: bool = False) -> list[dict]:
+        """Wire segments of a prompt for this server (see the module function ``encode_prompt``)."""
+        return encode_prompt(prompt, self.hidden_size, self.wire_format, self.wire_dtype, checked)
 
     # -- direct use ---------------------------------------------------------------------------
     def run(
@@ -123,9 +111,10 @@ class EmbedsEndpoint(RuntimeEndpoint):
         return res.json()
 
     def _encode_embeds(self, x: Any) -> Any:
-        if _is_tensor_batch(x):
-            return [wire.encode_tensor(self.check_span(t, f"prompt {i}: "), self.wire_format, self.wire_dtype) for i, t in enumerate(x)]
-        return wire.encode_tensor(self.check_span(x), self.wire_format, self.wire_dtype)
+        if wire.is_tensor_batch(x):
+            return [encode_span(t, self.hidden_size, self.wire_format, self.wire_dtype, where=f"prompt {i}: ")
+                    for i, t in enumerate(x)]
+        return encode_span(x, self.hidden_size, self.wire_format, self.wire_dtype)
 
     def _encode_segment_lists(self, x: Any) -> Any:
         if isinstance(x, seg.Prompt):
@@ -135,15 +124,41 @@ class EmbedsEndpoint(RuntimeEndpoint):
         return self.encode_prompt(list(x))
 
 
-def _is_tensor_batch(x: Any) -> bool:
-    import numpy as np
-    import torch
+def encode_prompt(prompt: seg.Prompt | list, hidden_size: int, wire_format: str = "base64",
+                  wire_dtype: str | None = None, checked: bool = False) -> list[dict]:
+    """Wire segments of a prompt. Each span is checked here, once: fully (shape, values, the
+    server's ``hidden_size``), or only its width when a program already checked it (``checked``:
+    ``sgl.embeds`` and the vision encoders validate what they make). Wire dicts pass as they are;
+    the server checks them."""
+    segments = prompt.segments if isinstance(prompt, seg.Prompt) else prompt
+    out = []
+    for i, s in enumerate(segments):
+        if isinstance(s, dict):
+            out.append(s)
+        elif isinstance(s, seg.Text):
+            out.append({"type": "text", "text": s.text})
+        elif isinstance(s, seg.Ids):
+            out.append({"type": "input_ids", "input_ids": list(s.ids)})
+        elif isinstance(s, seg.Embeds):
+            embeds = encode_span(s.tensor, hidden_size, wire_format, wire_dtype, checked, f"segment {i}: ")
+            out.append({"type": "embeds", "embeds": embeds})
+        else:
+            raise ValueError(f"segment {i}: expected Text, Ids, Embeds or a wire dict, got {type(s).__name__}")
+    return out
 
-    if isinstance(x, (torch.Tensor, np.ndarray)):
-        return x.ndim == 3
-    return isinstance(x, list) and bool(x) and (
-        isinstance(x[0], (torch.Tensor, np.ndarray)) or (isinstance(x[0], list) and bool(x[0]) and isinstance(x[0][0], list))
-    )
+
+def encode_span(x: Any, hidden_size: int, wire_format: str = "base64", wire_dtype: str | None = None,
+                checked: bool = False, where: str = "") -> Any:
+    """One span on the wire, checked as ``encode_prompt`` says."""
+    t = x if checked else wire.as_2d_tensor(x)
+    try:
+        if checked:
+            wire.check_shape(t, hidden_size)
+        else:
+            wire.check_tensor(t, hidden_size)
+    except wire.WireError as e:
+        raise ValueError(f"{where}{e}") from None
+    return wire.encode_tensor(t, wire_format, wire_dtype)
 
 
 def _message(res: Any) -> str:

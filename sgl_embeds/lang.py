@@ -4,7 +4,7 @@ A span enters the program's text as a *marker* (``segments.marker``: Unicode pri
 characters around a per-program key), with the tensor kept in the executor's span table. Markers
 ride along everything SGLang's interpreter does to text (roles and chat templates, ``fork``,
 ``gen``/``select`` prefixes), and the backend splits the text at them into segments
-(``compile_segments``). ``fork`` copies the span table to every branch.
+(``segments.split_at_markers``). ``fork`` copies the span table to every branch.
 
 With a backend that has a ``vision_encoder``, ``sgl.image(...)`` is encoded client-side into a
 span too, so VLM-style programs run on a text-only LLM plus the developer's own vision tower.
@@ -92,15 +92,6 @@ def add_span(executor: Any, tensor: torch.Tensor) -> None:
     executor._execute_fill(seg.marker(key))
 
 
-def compile_segments(text: str, table: dict[int, torch.Tensor]) -> seg.Prompt:
-    """Split program text at span markers into a segment list."""
-    return seg.split_at_markers(text, table)
-
-
-def has_markers(text: str) -> bool:
-    return seg.MARK_OPEN in text
-
-
 def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) -> torch.Tensor:
     """Encoder rows of an image or a region, through the backend's ``encoder_cache`` if it has one."""
     from sgl_embeds import vision
@@ -169,7 +160,7 @@ def program_segments(state: Any) -> list[seg.Segment]:
     """The segments a program state would send next (text and spans), for inspection and tests."""
     executor = getattr(state, "stream_executor", state)
     executor.sync()
-    return compile_segments(executor.text_, span_table(executor)).segments
+    return seg.split_at_markers(executor.text_, span_table(executor)).segments
 
 
 def compile_program(program: Any, like: Any = None, vision_encoder: Callable | None = None,
@@ -190,7 +181,7 @@ def compile_program(program: Any, like: Any = None, vision_encoder: Callable | N
             self.chat_template = like.chat_template if like is not None else get_chat_template("default")
 
         def _record(self, s: Any) -> None:
-            sent.append(compile_segments(s.text_, span_table(s)).segments)
+            sent.append(seg.split_at_markers(s.text_, span_table(s)).segments)
 
         def generate(self, s: Any, sampling_params: Any) -> tuple[str, dict]:
             self._record(s)
@@ -205,18 +196,25 @@ def compile_program(program: Any, like: Any = None, vision_encoder: Callable | N
     state = program.run(backend=Recorder(), **arguments)
     executor = state.stream_executor
     executor.sync()
-    return sent + [compile_segments(executor.text_, span_table(executor)).segments]
+    return sent + [seg.split_at_markers(executor.text_, span_table(executor)).segments]
+
+
+def hook_table() -> dict[str, tuple[Any, Callable]]:
+    """Our hooks of SGLang's interpreter: target (see ``srt/targets.py``) -> (hook type, function)."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from sgl_embeds.srt import targets
+
+    return {targets.EXECUTE: (HookType.AROUND, execute), targets.FORK: (HookType.AROUND, fork)}
 
 
 def install() -> None:
     """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the interpreter (once)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sgl_embeds.srt import targets
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     if getattr(sgl, "embeds", None) is embeds:
         return
     sgl.embeds, sgl.region = embeds, region
-    for target, (kind, ref, _) in targets.LANG_HOOKS.items():
-        HookRegistry.register(target, globals()[ref.split(":")[1]], HookType[kind])
+    for target, (kind, hook) in hook_table().items():
+        HookRegistry.register(target, hook, kind)
     HookRegistry.apply_hooks()

@@ -83,6 +83,20 @@ def as_2d_tensor(x: Any) -> torch.Tensor:
     return t
 
 
+def is_tensor_batch(x: Any) -> bool:
+    """Whether ``x`` holds one tensor per prompt rather than one ``[n, hidden]`` tensor: a 3-D
+    tensor or array, or a non-empty list of tensors, arrays, wire objects (dicts), or of
+    ``[n, hidden]`` nested lists (three levels of lists)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.ndim == 3
+    if not isinstance(x, list) or not x:
+        return False
+    first = x[0]
+    if isinstance(first, (torch.Tensor, np.ndarray, dict)):
+        return True
+    return isinstance(first, (list, tuple)) and bool(first) and isinstance(first[0], (list, tuple))
+
+
 def decode_tensor(obj: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed."""
     if isinstance(obj, (torch.Tensor, np.ndarray)):  # in-process callers (Engine), never JSON

@@ -12,11 +12,8 @@ import sys
 
 import torch
 
+from helpers import seeded_rows as rows
 from sgl_embeds.testing.server import engine as make_engine
-
-
-def rows(seed: int, n: int) -> torch.Tensor:
-    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
 def main(model_dir: str) -> dict:

@@ -10,6 +10,11 @@ from sgl_embeds.testing import reference as ref
 GREEDY = {"temperature": 0.0}
 
 
+def seeded_rows(seed: int, n: int, hidden: int = 64, scale: float = 0.05) -> torch.Tensor:
+    """A reproducible span of ``n`` random rows, at the scale of the tiny models' embeddings."""
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * scale
+
+
 def text(t: str) -> dict:
     return {"type": "text", "text": t}
 

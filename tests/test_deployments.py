@@ -7,7 +7,7 @@ import pytest
 import requests
 import torch
 
-from helpers import body, span, text
+from helpers import body, seeded_rows, span, text
 from sgl_embeds import wire
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.server import Server, on_cpu
@@ -56,7 +56,7 @@ def dp_server(llama_dir):
 
 
 def test_plugin_is_active_in_every_data_parallel_scheduler(dp_server, llama_dir):
-    parts = ["the quick fox", torch.randn(9, 64, generator=torch.Generator().manual_seed(77)) * 0.05, " is"]
+    parts = ["the quick fox", seeded_rows(77, 9), " is"]
     from helpers import reference_embeds, to_segments
 
     tokens, gaps = ref.greedy(llama_dir, reference_embeds(llama_dir, parts), 8)
@@ -78,7 +78,7 @@ def bf16_server(llama_dir):
 
 
 def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(bf16_server, llama_dir):
-    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(8)) * 0.05
+    x = seeded_rows(8, 12)
     payload = {"input_embeds": wire.encode_tensor(x, "base64", "float32"), "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     first = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()
     again = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()

@@ -6,15 +6,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from helpers import body, generate, span, text
+from helpers import body, generate, seeded_rows, span, text
 
 A = "the red fox near the house and"
 B = " describe it"
 C = " what is the color"
 
-
-def _rows(seed: int, n: int = 12) -> torch.Tensor:
-    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
 def _cached(out: dict) -> int:
@@ -25,7 +22,7 @@ def test_prefix_hits_cover_spans_and_never_collide(llama_server, llama_dir):
     from sgl_embeds.testing.reference import hf_tokenizer
 
     n_a = len(hf_tokenizer(str(llama_dir)).encode(A))
-    E, F = _rows(100), _rows(101)
+    E, F = seeded_rows(100, 12), seeded_rows(101, 12)
     first = generate(llama_server, body([text(A), span(E), text(B)]))
     again = generate(llama_server, body([text(A), span(E), text(B)]))
     total = again["meta_info"]["prompt_tokens"]
@@ -42,9 +39,9 @@ def test_prefix_hits_cover_spans_and_never_collide(llama_server, llama_dir):
 def test_shared_leading_rows_of_full_prompt_embeds_share_cache(llama_server):
     from sgl_embeds import wire
 
-    head = _rows(200, 20)
-    x1 = torch.cat([head, _rows(201, 5)])
-    x2 = torch.cat([head, _rows(202, 5)])
+    head = seeded_rows(200, 20)
+    x1 = torch.cat([head, seeded_rows(201, 5)])
+    x2 = torch.cat([head, seeded_rows(202, 5)])
     sp = {"temperature": 0, "max_new_tokens": 4}
     generate(llama_server, {"input_embeds": wire.encode_tensor(x1), "sampling_params": sp})
     out = generate(llama_server, {"input_embeds": wire.encode_tensor(x2), "sampling_params": sp})
@@ -52,7 +49,7 @@ def test_shared_leading_rows_of_full_prompt_embeds_share_cache(llama_server):
 
 
 def test_cached_and_uncached_runs_are_identical(llama_server):
-    parts = [text("a small bird"), span(_rows(300, 30)), text(" on the tree")]
+    parts = [text("a small bird"), span(seeded_rows(300, 30)), text(" on the tree")]
     cold = generate(llama_server, body(parts, 12))
     assert _cached(cold) < 5
     warm = generate(llama_server, body(parts, 12))
@@ -61,7 +58,7 @@ def test_cached_and_uncached_runs_are_identical(llama_server):
 
 def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, constrained_server):
     # chunk size 16: a 40-row span is split across three chunks
-    parts = [text("the quick fox"), span(_rows(400, 40)), text(" is"), span(_rows(401, 7)), text(" very")]
+    parts = [text("the quick fox"), span(seeded_rows(400, 40)), text(" is"), span(seeded_rows(401, 7)), text(" very")]
     want = generate(llama_server, body(parts, 10))["output_ids"]
     got = generate(constrained_server, body(parts, 10))
     assert got["output_ids"] == want
@@ -70,7 +67,7 @@ def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, co
 
 def test_eviction_and_retraction_keep_outputs_identical(llama_server, constrained_server):
     # 8 concurrent requests of ~34 positions + 40 new tokens each need far more than 256 KV slots
-    prompts = [[text("one two"), span(_rows(500 + i, 30)), text(" three")] for i in range(8)]
+    prompts = [[text("one two"), span(seeded_rows(500 + i, 30)), text(" three")] for i in range(8)]
     want = [generate(llama_server, body(p, 40, ))["output_ids"] for p in prompts]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: generate(constrained_server, body(p, 40)), prompts))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_probe import rows
+from helpers import seeded_rows as rows
 from helpers import reference_embeds
 from sgl_embeds.testing import reference as ref
 

@@ -7,9 +7,9 @@ import json
 import requests
 import torch
 
-from helpers import body, generate, span, text
+from helpers import body, generate, seeded_rows, span, text
 
-PARTS = [text("the red fox"), span(torch.randn(6, 64, generator=torch.Generator().manual_seed(9)) * 0.05), text(" near the")]
+PARTS = [text("the red fox"), span(seeded_rows(9, 6)), text(" near the")]
 
 
 def test_parallel_sampling_n_greater_than_one(llama_server):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import body, generate, reference_embeds, span, text, to_segments
+from helpers import body, generate, reference_embeds, seeded_rows, span, text, to_segments
 from sgl_embeds.testing import reference as ref
 
 WORDS = ["the red fox", " near the blue house", " what is the color of", " describe the image", " yes"]
@@ -59,7 +59,7 @@ def test_outputs_vary_with_the_span(llama_server):
 def test_full_prompt_input_embeds_in_every_encoding(llama_server, llama_dir, fmt, dtype):
     from sgl_embeds import wire
 
-    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)) * 0.05
+    x = seeded_rows(3, 9)
     enc = wire.encode_tensor(x, fmt, dtype)
     out = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
     seen = wire.decode_tensor(enc).float()  # what the server saw after rounding to the wire dtype

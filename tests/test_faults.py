@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from helpers import body, span, text
+from helpers import body, seeded_rows, span, text
 from sgl_embeds.testing.server import Server, free_port
 
 pytestmark = pytest.mark.server
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.server
 
 def test_restart_mid_workload(llama_dir):
     port = free_port()
-    parts = [text("the fox"), span(torch.randn(5, 64, generator=torch.Generator().manual_seed(5)) * 0.05), text(" is")]
+    parts = [text("the fox"), span(seeded_rows(5, 5)), text(" is")]
     first = Server(llama_dir, port=port).start()
     try:
         want = requests.post(first.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]

@@ -8,15 +8,12 @@ import torch
 from PIL import Image
 
 import sgl_embeds
-from helpers import reference_embeds
+from helpers import reference_embeds, seeded_rows
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds import segments as seg
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.encoders import GridEncoder
 
-
-def _rows(seed: int, n: int) -> torch.Tensor:
-    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +22,7 @@ def backend(llama_server):
 
 
 def test_program_with_two_spans_matches_hf(backend, llama_dir):
-    a, b = _rows(1, 5), _rows(2, 9)
+    a, b = seeded_rows(1, 5), seeded_rows(2, 9)
 
     @sgl.function
     def two_spans(s, a, b):
@@ -43,7 +40,7 @@ def test_program_with_two_spans_matches_hf(backend, llama_dir):
 
 
 def test_forked_branches_hit_the_cache_over_the_span(backend):
-    span = _rows(3, 40)
+    span = seeded_rows(3, 40)
 
     @sgl.function
     def fan_out(s, x):
@@ -62,7 +59,7 @@ def test_run_batch_and_streaming(backend):
     def one(s, x):
         s += "the dog" + sgl.embeds(x) + sgl.gen("out", max_tokens=6, temperature=0)
 
-    xs = [_rows(10 + i, 4) for i in range(3)]
+    xs = [seeded_rows(10 + i, 4) for i in range(3)]
     states = one.run_batch([{"x": x} for x in xs], backend=backend)
     solo = [backend.run(input_segments=[seg.Text("the dog"), seg.Embeds(x)], sampling_params={"temperature": 0, "max_new_tokens": 6})["text"] for x in xs]
     assert [st["out"] for st in states] == solo
@@ -72,7 +69,7 @@ def test_run_batch_and_streaming(backend):
 
 
 def test_select_with_spans_matches_hf_scoring(backend, llama_dir):
-    x = _rows(20, 6)
+    x = seeded_rows(20, 6)
     choices = ["red", "blue house", "green tree"]
 
     @sgl.function
@@ -135,8 +132,8 @@ def test_bad_boxes_raise(box, message):
 def test_backend_checks_hidden_size_before_sending(backend):
     with pytest.raises(ValueError, match="hidden size 10 but the model's hidden size is 64"):
         backend.run(input_embeds=torch.zeros(3, 10))
-    out = backend.run(input_embeds=_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
+    out = backend.run(input_embeds=seeded_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
     assert out["meta_info"]["completion_tokens"] == 3
     json_backend = EmbedsEndpoint(backend.base_url, wire_format="json")
-    again = json_backend.run(input_embeds=_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
+    again = json_backend.run(input_embeds=seeded_rows(30, 5), sampling_params={"temperature": 0, "max_new_tokens": 3})
     assert again["output_ids"] == out["output_ids"]

@@ -9,8 +9,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_embeds import segments as seg
 from sgl_embeds import wire
+from sgl_embeds.srt.parse import segments_from_wire
 
 LIMIT = 1 << 20
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
@@ -43,7 +43,7 @@ def test_decoder_returns_a_checked_tensor_or_a_wire_error(payload):
                           json_values), max_size=5))
 def test_segment_parser_raises_only_wire_errors(items):
     try:
-        seg.segments_from_wire(items, LIMIT)
+        segments_from_wire(items, LIMIT)
     except wire.WireError:
         pass
 

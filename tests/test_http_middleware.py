@@ -28,9 +28,10 @@ def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
 
 class _App:
     def __init__(self):
-        self.bodies = []
+        self.bodies, self.scopes = [], []
 
     async def __call__(self, scope, receive, send):
+        self.scopes.append(scope)
         body, more = b"", True
         while more:
             msg = await receive()
@@ -63,11 +64,39 @@ def test_a_body_over_the_limit_gets_413_without_reaching_the_app(monkeypatch):
 def test_span_bodies_go_to_the_registered_handler(monkeypatch):
     calls = []
 
-    async def handler(body, request, resolve):
+    async def handler(body, request, ctx):
         calls.append(body)
         return http.error_response("handled", 400)
 
+    monkeypatch.setattr(http, "server_spec", lambda: None)  # no server here: the handler ignores it
     monkeypatch.setitem(http.ROUTES, "/generate", (lambda body: "input_embeds" in body, handler))
     app = _App()
     sent, _ = _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}')
     assert calls == [{"input_embeds": [[1.0]]}] and not app.bodies and sent[0]["status"] == 400
+
+
+def test_a_stock_request_reaches_the_stock_route_with_its_rows_on_the_request_state(monkeypatch):
+    from starlette.requests import Request
+
+    from sgl_embeds.srt import openai
+
+    rows = object()
+
+    async def handler(body, request, ctx):
+        return openai.StockRequest({"prompt": [1, 2, 3]}, rows)
+
+    monkeypatch.setattr(http, "server_spec", lambda: None)
+    monkeypatch.setitem(http.ROUTES, "/v1/completions", (lambda body: True, handler))
+    app = _App()
+    _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}', path="/v1/completions")
+    assert app.bodies == [b'{"prompt":[1,2,3]}']
+    headers = dict(app.scopes[0]["headers"])
+    assert headers[b"content-length"] == str(len(app.bodies[0])).encode()
+
+    class Obj:
+        positional_embed_overrides = None
+
+    request, obj, seen = Request(app.scopes[0]), Obj(), []
+    openai.generate_request(lambda self, o, r: seen.append(o.positional_embed_overrides), None, obj, request)
+    openai.generate_request(lambda self, o, r: seen.append(o.positional_embed_overrides), None, Obj(), request)
+    assert seen == [rows, None]  # attached to the first call only

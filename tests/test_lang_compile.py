@@ -37,7 +37,7 @@ def test_text_and_spans_compile_to_interleaved_segments():
         s += sgl.embeds([0.5] * 8)
 
     ex = _run_fill_only(prog)
-    segs = lang.compile_segments(ex.text_, lang.span_table(ex)).segments
+    segs = seg.split_at_markers(ex.text_, lang.span_table(ex)).segments
     assert [type(x).__name__ for x in segs] == ["Text", "Embeds", "Text", "Embeds", "Text", "Embeds"]
     assert segs[0] == seg.Text("Describe ") and segs[2] == seg.Text(" and ") and segs[4] == seg.Text(" briefly.")
     assert torch.equal(segs[1].tensor, a) and torch.equal(segs[3].tensor, torch.ones(2, 8)) and segs[5].tensor.shape == (1, 8)
@@ -52,7 +52,7 @@ def test_spans_inside_chat_roles_keep_the_template_around_them():
         s += sgl.user("Look: " + sgl.embeds(x) + " What is it?")
 
     ex = _run_fill_only(prog)
-    segs = lang.compile_segments(ex.text_, lang.span_table(ex)).segments
+    segs = seg.split_at_markers(ex.text_, lang.span_table(ex)).segments
     assert isinstance(segs[1], seg.Embeds) and len(segs) == 3
     assert segs[0].text.endswith("<|im_start|>user\nLook: ") and segs[2].text.startswith(" What is it?<|im_end|>")
 
@@ -82,7 +82,7 @@ def test_bad_spans_fail_when_the_program_is_written(bad, message):
 
 def test_unknown_marker_is_an_error_not_a_silent_drop():
     with pytest.raises(ValueError, match="no tensor"):
-        lang.compile_segments(f"a {seg.marker(7)} b", {})
+        seg.split_at_markers(f"a {seg.marker(7)} b", {})
 
 
 def test_compile_program_lists_what_each_gen_and_select_would_send():

@@ -6,13 +6,10 @@ import openai
 import pytest
 import torch
 
-from helpers import body, generate, span, text
+from helpers import body, generate, seeded_rows, span, text
 from sgl_embeds import wire
 from sgl_embeds.testing import reference as ref
 
-
-def _rows(seed: int, n: int = 6) -> torch.Tensor:
-    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +18,7 @@ def client(llama_server):
 
 
 def test_completions_with_segments_equal_generate(client, llama_server):
-    segs = [text("the red fox"), span(_rows(1)), text(" near the")]
+    segs = [text("the red fox"), span(seeded_rows(1, 6)), text(" near the")]
     want = generate(llama_server, body(segs, 8))
     out = client.completions.create(model="default", prompt="", max_tokens=8, temperature=0, extra_body={"input_segments": segs})
     assert out.choices[0].text == want["text"]
@@ -29,7 +26,7 @@ def test_completions_with_segments_equal_generate(client, llama_server):
 
 
 def test_completions_full_prompt_embeds_equal_generate_and_hf(client, llama_server, llama_dir):
-    x = _rows(2, 10)
+    x = seeded_rows(2, 10)
     enc = wire.encode_tensor(x, "base64", "float32")
     out = client.completions.create(model="default", prompt="", max_tokens=8, temperature=0, extra_body={"input_embeds": enc})
     want = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
@@ -39,7 +36,7 @@ def test_completions_full_prompt_embeds_equal_generate_and_hf(client, llama_serv
 
 
 def test_chat_with_span_parts_equals_generate_on_the_rendered_prompt(client, llama_server, llama_dir):
-    x = _rows(3, 5)
+    x = seeded_rows(3, 5)
     messages = [{"role": "system", "content": "you see images"},
                 {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "input_embeds", "input_embeds": wire.encode_tensor(x)},
                                              {"type": "text", "text": " what is it"}]}]
@@ -54,7 +51,7 @@ def test_chat_with_span_parts_equals_generate_on_the_rendered_prompt(client, lla
 
 
 def test_chat_streaming_n_stop_logprobs_and_cached_usage(client):
-    x = _rows(4, 30)
+    x = seeded_rows(4, 30)
     messages = [{"role": "user", "content": [{"type": "input_embeds", "input_embeds": wire.encode_tensor(x, "base64", "bfloat16")},
                                              {"type": "text", "text": " describe"}]}]
     first = client.chat.completions.create(model="default", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
@@ -72,7 +69,7 @@ def test_chat_streaming_n_stop_logprobs_and_cached_usage(client):
 
 
 def test_chat_full_prompt_input_embeds(client, llama_dir):
-    x = _rows(5, 8)
+    x = seeded_rows(5, 8)
     out = client.chat.completions.create(model="default", messages=[], max_tokens=6, temperature=0,
                                          extra_body={"input_embeds": wire.encode_tensor(x)})
     tokens, gaps = ref.greedy(llama_dir, x, 6)

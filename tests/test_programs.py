@@ -6,15 +6,13 @@ import pytest
 import torch
 
 import sgl_embeds
+from helpers import seeded_rows
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds import segments as seg
 from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds.vision import crop
 
-
-def _rows(seed: int, n: int = 24) -> torch.Tensor:
-    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +25,7 @@ def _direct(backend, segments, n):
 
 
 def test_visual_qa_answers_from_the_span_and_caches_it(backend):
-    img = _rows(1)
+    img = seeded_rows(1, 24)
     first = visual_qa.run(image=img, question="what is the color", max_tokens=8, backend=backend)
     sent = sgl_embeds.compile_program(visual_qa, backend, image=img, question="what is the color", max_tokens=8)[0]
     assert first["answer"] == _direct(backend, sent, 8)["text"]
@@ -36,7 +34,7 @@ def test_visual_qa_answers_from_the_span_and_caches_it(backend):
 
 
 def test_compare_images_sends_one_span_per_image(backend):
-    imgs = [_rows(2, 8), _rows(3, 12), _rows(4, 5)]
+    imgs = [seeded_rows(2, 8), seeded_rows(3, 12), seeded_rows(4, 5)]
     sent = sgl_embeds.compile_program(compare_images, backend, images=imgs, max_tokens=6)[0]
     spans = [s.tensor for s in sent if isinstance(s, seg.Embeds)]
     assert len(spans) == 3 and all(torch.equal(a, b) for a, b in zip(spans, imgs))
@@ -56,18 +54,18 @@ def test_caption_regions_encodes_each_crop(backend):
 
 
 def test_grounded_chat_reuses_the_cache_across_turns(backend):
-    state = grounded_chat.run(image=_rows(5, 30), turns=["what is it", "what color", "is it big"], max_tokens=6, backend=backend)
+    state = grounded_chat.run(image=seeded_rows(5, 30), turns=["what is it", "what color", "is it big"], max_tokens=6, backend=backend)
     assert len(state["replies"]) == 3
     assert state["cached"][1] >= 30 and state["cached"][2] > state["cached"][1]
 
 
 def test_extract_attributes_forks_share_the_span(backend):
-    state = extract_attributes.run(image=_rows(6, 40), attributes=["color", "size", "material"], max_tokens=4, backend=backend)
+    state = extract_attributes.run(image=seeded_rows(6, 40), attributes=["color", "size", "material"], max_tokens=4, backend=backend)
     assert set(state["attributes"]) == {"color", "size", "material"}
 
 
 def test_classify_picks_a_label_consistently(backend):
     labels = ["red", "blue", "green"]
-    a = classify.run(image=_rows(7, 10), labels=labels, backend=backend)["label"]
-    b = classify.run(image=_rows(7, 10), labels=labels, backend=backend)["label"]
+    a = classify.run(image=seeded_rows(7, 10), labels=labels, backend=backend)["label"]
+    b = classify.run(image=seeded_rows(7, 10), labels=labels, backend=backend)["label"]
     assert a in labels and a == b

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sgl_embeds.srt import targets
+from sgl_embeds import lang
+from sgl_embeds.srt import plugin, targets
 
 
 def test_pinned_sglang_version_is_installed():
@@ -15,8 +16,14 @@ def test_every_patch_target_is_present_in_the_installed_sglang():
 
 
 def test_a_moved_target_is_reported_by_path(monkeypatch):
-    monkeypatch.setitem(targets.TARGETS, "sglang.srt.managers.schedule_batch.Req.no_such_method", ("", "", ()))
+    monkeypatch.setitem(targets.TARGETS, "sglang.srt.managers.schedule_batch.Req.no_such_method", ())
     assert any("Req.no_such_method" in p for p in targets.missing_targets())
+
+
+def test_the_hook_tables_patch_exactly_the_listed_targets():
+    hooked = set(plugin.hook_table(http=True)) | set(lang.hook_table())
+    assert hooked == set(targets.PATCHED)
+    assert all(callable(hook) for _, hook in [*plugin.hook_table(http=True).values(), *lang.hook_table().values()])
 
 
 def test_plugin_entry_point_is_declared():

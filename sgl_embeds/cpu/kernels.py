@@ -13,9 +13,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-IMPLEMENTED = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu")
-
-
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

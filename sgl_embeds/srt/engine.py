@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.srt import prompts
+from sgl_embeds.srt import parse, prompts
 
 _RENAMED = {"prompt": "text"}
 
@@ -24,7 +24,7 @@ def _span_request(engine: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    if not prompts.has_span_fields(kwargs):
+    if not parse.has_span_fields(kwargs):
         return original(self, *args, **kwargs)
     obj = _span_request(self, args, kwargs)
     generator = self.tokenizer_manager.generate_request(obj, None)
@@ -42,7 +42,7 @@ def generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def async_generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    if not prompts.has_span_fields(kwargs):
+    if not parse.has_span_fields(kwargs):
         return await original(self, *args, **kwargs)
     obj = _span_request(self, args, kwargs)
     generator = self.tokenizer_manager.generate_request(obj, None)

@@ -78,8 +78,8 @@ class SpanStore:
 def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:
     if set(body) != {"embeds"}:
         raise ValueError('upload a span as {"embeds": <tensor>}')
-    t = wire.decode_tensor(body["embeds"], store.budget)
-    wire.check_tensor(t, hidden_size)
+    t = wire.decode_tensor(body["embeds"], store.budget)  # checks shape and values
+    wire.check_shape(t, hidden_size)
     handle = store.put(t)
     return {"handle": handle, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size()}

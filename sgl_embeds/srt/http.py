@@ -4,9 +4,11 @@ An innermost ASGI middleware (so SGLang's API-key middleware still runs first) l
 bodies of the routes in ``ROUTES``. A body without span fields goes on to the stock route
 untouched. A body with spans is decoded and validated here (HTTP 400 with the reason on any
 problem): ``/generate`` becomes ``input_ids`` + ``positional_embed_overrides`` served by SGLang's
-own ``serve_generate_request``; the OpenAI routes are rewritten to token ids and handed on (see
-``openai.py``). Decoding and hashing run in a worker thread so a large payload does not stall the
-event loop for other clients.
+own ``serve_generate_request``; the OpenAI routes are rewritten to token ids and handed on to
+SGLang's own route with the span rows on the request's state (see ``openai.py``). Decoding and
+hashing run in a worker thread so a large payload does not stall the event loop for other clients.
+Route handlers get what they need (the served model, the span-handle lookup) in a
+``RouteContext``; nothing imports this module back.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from sgl_embeds import wire
-from sgl_embeds.srt import handles, openai, prompts
+from sgl_embeds.srt import handles, openai, parse, prompts
 
 logger = logging.getLogger(__name__)
 
+
 # A route: (does this body carry spans?, handler). A handler gets the body, the request and the
-# span-handle resolver, and returns a response to send, or the bytes of a stock body to hand on
-# to SGLang's own route.
+# context, and returns a response to send, or an ``openai.StockRequest`` to hand on to SGLang's
+# own route.
 Detector = Callable[[dict], bool]
-Handler = Callable[[dict, Any], Awaitable[Any]]
-ROUTES: dict[str, tuple[Detector, Handler]] = {}
+Handler = Callable[[dict, Any, prompts.RouteContext], Awaitable[Any]]
 
 
 def max_body_bytes() -> int:
@@ -52,16 +54,18 @@ def server_spec() -> prompts.ModelSpec:
     return prompts.ModelSpec.from_tokenizer_manager(_global_state.tokenizer_manager)
 
 
-async def generate_route(body: dict, request: Any, resolve: Callable) -> Any:
+async def generate_route(body: dict, request: Any, ctx: prompts.RouteContext) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
-    obj = await asyncio.to_thread(prompts.make_generate_req, body, server_spec(), resolve)  # ValueError -> 400
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.resolve)  # ValueError -> 400
     return await serve_generate_request(obj, request)
 
 
-ROUTES["/generate"] = (prompts.has_span_fields, generate_route)
-ROUTES["/v1/completions"] = (prompts.has_span_fields, openai.completions_route)
-ROUTES["/v1/chat/completions"] = (openai.chat_has_spans, openai.chat_route)
+ROUTES: dict[str, tuple[Detector, Handler]] = {
+    "/generate": (parse.has_span_fields, generate_route),
+    "/v1/completions": (parse.has_span_fields, openai.completions_route),
+    "/v1/chat/completions": (openai.chat_has_spans, openai.chat_route),
+}
 INFO_PATH = "/sgl_embeds/info"
 
 
@@ -73,7 +77,7 @@ def info(store: handles.SpanStore) -> dict:
     return {
         "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
-        "max_span_bytes": prompts.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
+        "max_span_bytes": parse.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
         "span_store": store.stats(),
     }
@@ -105,12 +109,20 @@ class SpanMiddleware:
         from starlette.requests import Request
 
         try:
-            response = await handler(payload, Request(scope, replay), self.store.get)
+            response = await handler(payload, Request(scope, replay), prompts.RouteContext(server_spec(), self.store.get))
         except ValueError as e:
             response = error_response(str(e))
-        if isinstance(response, bytes):  # a stock body for SGLang's own route
-            return await self.app(_with_length(scope, len(response)), _replay(response, receive), send)
+        if isinstance(response, openai.StockRequest):
+            return await self._forward_to_stock_route(scope, response, receive, send)
         await response(scope, replay, send)
+
+    async def _forward_to_stock_route(self, scope: dict, stock: "openai.StockRequest", receive: Callable, send: Callable) -> None:
+        """SGLang's own route serves the rewritten body; the span rows wait on the request's state
+        until its ``generate_request`` call, where ``openai.generate_request`` attaches them."""
+        raw = orjson.dumps(stock.body)
+        scope = _with_length(scope, len(raw))
+        scope.setdefault("state", {})[openai.ROWS_STATE_KEY] = stock.rows
+        await self.app(scope, _replay(raw, receive), send)
 
     async def _own_route(self, path: str, method: str, scope: dict, receive: Callable, send: Callable) -> None:
         """``GET /sgl_embeds/info``, ``POST /sgl_embeds/spans``, ``DELETE /sgl_embeds/spans/<handle>``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.segments import PLACEHOLDER_BASE
+from sgl_embeds.srt.placeholders import is_placeholder
 
 
 def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -22,6 +22,6 @@ def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, sta
     start = state.obj.logprob_start_len if (state.obj.logprob_start_len or 0) > 0 else 0
     for j in range(len(entries)):
         pos = start + j
-        if pos < len(ids) and ids[pos] >= PLACEHOLDER_BASE:
+        if pos < len(ids) and is_placeholder(ids[pos]):
             entries[j] = (None, None, None)
     return result

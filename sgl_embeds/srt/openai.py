@@ -10,35 +10,46 @@ Extension fields (send them with the official client through ``extra_body``):
 
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
 rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
-for each span, and split at the markers. The span rows wait in a context variable of the request's
-task until SGLang's own handler calls ``TokenizerManager.generate_request``, where a hook attaches
-them. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
+for each span, and split at the markers. The handler returns a ``StockRequest`` (the rewritten
+body and the span rows); the middleware hands the body to SGLang's own route and leaves the rows
+on the request's state (``ROWS_STATE_KEY``), and when that route calls
+``TokenizerManager.generate_request`` with the request, ``generate_request`` below attaches them.
+Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
 """
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sgl_embeds import segments as seg
 from sgl_embeds import wire
-from sgl_embeds.srt import prompts
+from sgl_embeds.srt import parse, prompts
 
-PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("sgl_embeds_pending_spans", default=None)
 PART_TYPE = "input_embeds"
+ROWS_STATE_KEY = "sgl_embeds_rows"  # where the span rows wait on the request's state
 
 
-def completions_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None = None) -> tuple[dict, Any]:
+@dataclass
+class StockRequest:
+    """A rewritten body for SGLang's own route, and the span rows (``PositionalEmbeds``) to attach."""
+
+    body: dict
+    rows: Any
+
+
+def completions_body(body: dict, spec: prompts.ModelSpec, resolve: parse.Resolver | None = None) -> StockRequest:
     """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
     if body.get("prompt") not in (None, "", []):
         raise ValueError("prompt must be empty when input_embeds or input_segments is given")
-    parsed, is_batch = prompts.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, prompts.max_request_bytes(), resolve)
+    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_request_bytes(), resolve)
     if is_batch:
         raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
     ids, overrides = prompts.build_ids(parsed[0], spec)
-    out = {k: v for k, v in body.items() if k not in prompts.SPAN_FIELDS}
+    out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
     out["prompt"] = ids
-    return out, overrides
+    return StockRequest(out, overrides)
 
 
 def chat_has_spans(body: dict) -> bool:
@@ -52,18 +63,18 @@ def chat_has_spans(body: dict) -> bool:
     return False
 
 
-def chat_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None = None) -> tuple[dict, Any]:
+def chat_body(body: dict, spec: prompts.ModelSpec, resolve: parse.Resolver | None = None) -> StockRequest:
     """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the span rows to attach."""
     out = {k: v for k, v in body.items() if k != "input_embeds"}
     if body.get("input_embeds") is not None:
-        tensor = seg.decode_span(body["input_embeds"], prompts.max_request_bytes(), resolve)
+        tensor = parse.decode_span(body["input_embeds"], parse.max_request_bytes(), resolve)
         ids, overrides = prompts.build_ids([seg.Embeds(tensor)], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
         out["input_ids"] = ids
-        return out, overrides
+        return StockRequest(out, overrides)
     tensors: list = []
-    budget = prompts.max_request_bytes()
+    budget = parse.max_request_bytes()
     messages = []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
@@ -77,7 +88,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None 
                 text.append(str(part.get("text", "")))
             elif kind == PART_TYPE:
                 try:
-                    t = seg.decode_span(part.get(PART_TYPE), budget, resolve)
+                    t = parse.decode_span(part.get(PART_TYPE), budget, resolve)
                 except wire.WireError as e:
                     raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
                 budget -= t.numel() * 4
@@ -88,10 +99,10 @@ def chat_body(body: dict, spec: prompts.ModelSpec, resolve: seg.Resolver | None 
                                  f"'{PART_TYPE}', got {kind!r}")
         messages.append({**m, "content": "".join(text)})
     rendered = render_chat(spec.tokenizer, messages, body)
-    ids, overrides = prompts.build_ids(split_markers(rendered, tensors), spec, specials_first=False)
+    ids, overrides = prompts.build_ids(_spans_of_rendered_chat(rendered, tensors), spec, specials_first=False)
     out["messages"] = [{**m, "content": seg.strip_markers(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
     out["input_ids"] = ids
-    return out, overrides
+    return StockRequest(out, overrides)
 
 
 def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
@@ -102,36 +113,27 @@ def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
         raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
-def split_markers(text: str, tensors: list) -> list[seg.Segment]:
+def _spans_of_rendered_chat(text: str, tensors: list) -> list[seg.Segment]:
     prompt = seg.split_at_markers(text, dict(enumerate(tensors)))
     if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(tensors):
         raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
     return prompt.segments
 
 
-def _forwarding(build: Callable[..., tuple[dict, Any]]) -> Callable:
-    async def route(body: dict, request: Any, resolve: seg.Resolver) -> Any:
-        import asyncio
-
-        import orjson
-
-        from sgl_embeds.srt.http import server_spec
-
-        stock_body, overrides = await asyncio.to_thread(build, body, server_spec(), resolve)
-        PENDING.set(overrides)
-        return orjson.dumps(stock_body)
-
-    return route
+async def completions_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
+    return await asyncio.to_thread(completions_body, body, ctx.spec, ctx.resolve)
 
 
-completions_route = _forwarding(completions_body)
-chat_route = _forwarding(chat_body)
+async def chat_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
+    return await asyncio.to_thread(chat_body, body, ctx.spec, ctx.resolve)
 
 
 def generate_request(original: Callable, self: Any, obj: Any, request: Any = None) -> Any:
-    """AROUND hook of ``TokenizerManager.generate_request``: attach the rows an OpenAI route left."""
-    overrides = PENDING.get()
-    if overrides is not None and getattr(obj, "positional_embed_overrides", "x") is None:
-        PENDING.set(None)
-        obj.positional_embed_overrides = overrides
+    """AROUND hook of ``TokenizerManager.generate_request``: attach the span rows that an OpenAI
+    route left on the request's state to the ``GenerateReqInput`` SGLang's handler built."""
+    state = getattr(request, "state", None)
+    rows = getattr(state, ROWS_STATE_KEY, None) if state is not None else None
+    if rows is not None:
+        delattr(state, ROWS_STATE_KEY)  # once: a retried call must not attach them twice
+        obj.positional_embed_overrides = rows
     return original(self, obj, request)

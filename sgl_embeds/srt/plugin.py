@@ -1,28 +1,48 @@
-"""The SGLang plugin entry point (group ``sglang.srt.plugins``): registers every hook.
+"""The SGLang plugin entry point (group ``sglang.srt.plugins``): registers every engine hook.
 
 SGLang calls ``register()`` in each of its processes (server, scheduler, detokenizer); the HTTP
-hook is registered only in the main process, where the HTTP app lives.
+hook is registered only in the main process, where the HTTP app lives. The table of hooks is
+``hook_table``: target (see ``targets.py`` for the guard of each) -> (hook type, our function).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import multiprocessing
+from typing import Any, Callable
 
 from sgl_embeds.srt import targets
 
 logger = logging.getLogger(__name__)
 
 
-def _resolve(ref: str):
-    module, name = ref.split(":")
-    full = module if module.startswith("sgl_embeds.") else f"sgl_embeds.srt.{module}"
-    return getattr(importlib.import_module(full), name)
+def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
+    """Our hooks of SGLang's engine; ``http`` adds the one of the process that serves HTTP.
+    (Imported here, not at module level: the plugin loads before SGLang's modules are ready.)"""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from sgl_embeds.cpu import attention
+    from sgl_embeds.srt import engine, logprobs, openai, scheduler
+
+    table = {
+        targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
+        targets.REQ_NEXT_ROUND_INPUT: (HookType.AROUND, scheduler.req_init_next_round_input),
+        targets.PREPARE_FOR_EXTEND: (HookType.AROUND, scheduler.prepare_for_extend),
+        targets.SDPA_FORWARD_EXTEND: (HookType.AROUND, attention.sdpa_forward_extend),
+        targets.ADD_LOGPROB_TO_META_INFO: (HookType.AROUND, logprobs.add_logprob_to_meta_info),
+        targets.GENERATE_REQUEST: (HookType.AROUND, openai.generate_request),
+        targets.ENGINE_GENERATE: (HookType.AROUND, engine.generate),
+        targets.ENGINE_ASYNC_GENERATE: (HookType.AROUND, engine.async_generate),
+    }
+    if http:
+        from sgl_embeds.srt import http as http_side
+
+        table[targets.LAUNCH_SERVER] = (HookType.BEFORE, http_side.before_launch_server)
+    return table
 
 
 def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     version = targets.installed_version()
     if version != targets.SGLANG_VERSION:
@@ -31,8 +51,5 @@ def register() -> None:
             "`python -m sgl_embeds.cpu.check` to verify the patch targets",
             targets.SGLANG_VERSION, version,
         )
-    hooks = dict(targets.HOOKS)
-    if multiprocessing.parent_process() is None:
-        hooks.update(targets.HTTP_HOOKS)
-    for target, (kind, ref, _) in hooks.items():
-        HookRegistry.register(target, _resolve(ref), HookType[kind])
+    for target, (kind, hook) in hook_table(http=multiprocessing.parent_process() is None).items():
+        HookRegistry.register(target, hook, kind)

@@ -1,7 +1,9 @@
-"""Server side of a span prompt: wire fields -> token ids with placeholders + positional embeds.
+"""Server side of a span prompt: segments -> token ids with placeholders + positional embeds.
 
-Shared by the HTTP middleware and the ``Engine`` hooks; runs in the process that holds the
-tokenizer manager. Every error is a ``ValueError`` (HTTP 400) that names the problem.
+Shared by the HTTP middleware, the OpenAI routes and the ``Engine`` hooks; runs in the process
+that holds the tokenizer manager. Every error is a ``ValueError`` (HTTP 400) that names the
+problem. ``make_generate_req`` is the whole path for a ``/generate``-shaped body: parse
+(``parse.py``), ``build_ids``, then SGLang's own ``GenerateReqInput``.
 
 Tokenization rule: a text segment at the very start of a prompt is tokenized like a plain text
 prompt (with the tokenizer's special tokens, e.g. BOS); every later text segment without them,
@@ -10,21 +12,15 @@ so ``[text A, span, text B]`` is exactly ``tok(A) + span + tok(B, no specials)``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sgl_embeds import segments as seg
 from sgl_embeds import wire
-
-SPAN_FIELDS = ("input_segments", "input_embeds")
-
-
-def max_request_bytes() -> int:
-    """Decoded float32 bytes allowed in one request's spans (``SGL_EMBEDS_MAX_BYTES``)."""
-    return int(os.environ.get("SGL_EMBEDS_MAX_BYTES", wire.DEFAULT_MAX_BYTES))
+from sgl_embeds.segments import Ids, Segment, Text
+from sgl_embeds.srt.parse import SPAN_FIELDS, Resolver, max_request_bytes, parse_prompts
+from sgl_embeds.srt.placeholders import placeholder_ids
 
 
 @dataclass(frozen=True)
@@ -43,42 +39,15 @@ class ModelSpec:
         return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer)
 
 
-def has_span_fields(body: dict) -> bool:
-    return body.get("input_segments") is not None or body.get("input_embeds") is not None
+@dataclass(frozen=True)
+class RouteContext:
+    """What an HTTP route handler needs from the server (given to it by the middleware)."""
+
+    spec: ModelSpec  # the served model
+    resolve: Resolver  # span handle -> rows
 
 
-def parse_prompts(body: dict, max_bytes: int, resolve: seg.Resolver | None = None) -> tuple[list[list[seg.Segment]], bool]:
-    """The span prompts of a request body: (one segment list per prompt, is_batch).
-    ``resolve`` looks up span handles (HTTP only)."""
-    if body.get("input_segments") is not None and body.get("input_embeds") is not None:
-        raise ValueError("give either input_segments or input_embeds, not both")
-    for other in ("text", "input_ids"):
-        if body.get(other) is not None:
-            raise ValueError(f"{other} cannot be combined with input_segments/input_embeds: "
-                             "put the text or ids in input_segments instead")
-    if body.get("input_segments") is not None:
-        items = body["input_segments"]
-        if isinstance(items, list) and items and isinstance(items[0], list):
-            return [seg.segments_from_wire(p, max_bytes, resolve) for p in items], True
-        return [seg.segments_from_wire(items, max_bytes, resolve)], False
-    embeds = body["input_embeds"]
-    if _is_batch_of_tensors(embeds):
-        return [[seg.Embeds(seg.decode_span(e, max_bytes, resolve))] for e in embeds], True
-    return [[seg.Embeds(seg.decode_span(embeds, max_bytes, resolve))]], False
-
-
-def _is_batch_of_tensors(x: Any) -> bool:
-    """A list of tensors: of dicts (binary objects, handles), of 2-D tensors (in-process), or three
-    levels of nested lists."""
-    if not isinstance(x, list) or not x:
-        return False
-    first = x[0]
-    if isinstance(first, torch.Tensor):
-        return first.dim() >= 2
-    return isinstance(first, dict) or (isinstance(first, list) and bool(first) and isinstance(first[0], list))
-
-
-def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
+def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
     """Token ids (placeholders at span rows) and the ``PositionalEmbeds`` of the span rows.
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
@@ -88,11 +57,11 @@ def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool
     rows: list[torch.Tensor] = []
     positions: list[int] = []
     for i, s in enumerate(segments):
-        if isinstance(s, seg.Text):
+        if isinstance(s, Text):
             if spec.tokenizer is None:
                 raise ValueError("this server runs without a tokenizer: send input_ids segments")
             ids.extend(spec.tokenizer.encode(s.text, add_special_tokens=(i == 0 and specials_first)))
-        elif isinstance(s, seg.Ids):
+        elif isinstance(s, Ids):
             bad = [t for t in s.ids if t >= spec.vocab_size]
             if bad:
                 raise ValueError(f"segment {i}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
@@ -108,7 +77,7 @@ def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool
             if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
                 raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
             positions.extend(range(len(ids), len(ids) + t.shape[0]))
-            ids.extend(seg.placeholder_ids(t))
+            ids.extend(placeholder_ids(t))
             rows.append(t)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
@@ -119,7 +88,7 @@ def build_ids(segments: list[seg.Segment], spec: ModelSpec, specials_first: bool
     return ids, overrides
 
 
-def to_generate_kwargs(body: dict, spec: ModelSpec, resolve: seg.Resolver | None = None) -> dict:
+def to_generate_kwargs(body: dict, spec: ModelSpec, resolve: Resolver | None = None) -> dict:
     """Replace the span fields of a ``/generate``-shaped body by ``input_ids`` and
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
     prompts, is_batch = parse_prompts(body, max_request_bytes(), resolve)
@@ -141,7 +110,7 @@ def _parallel_samples(sampling_params: Any) -> int:
     return n if isinstance(n, int) and n > 1 else 1
 
 
-def make_generate_req(body: dict, spec: ModelSpec, resolve: seg.Resolver | None = None):
+def make_generate_req(body: dict, spec: ModelSpec, resolve: Resolver | None = None):
     """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 

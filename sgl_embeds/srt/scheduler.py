@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.segments import PLACEHOLDER_BASE
+from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE, is_placeholder
 
 _FLAG = "_sgl_embeds_span_prompt"
 
@@ -23,7 +23,7 @@ def is_span_prompt(req: Any) -> bool:
 def _mark(req: Any) -> bool:
     pe = req.positional_embed_overrides
     ids = req.origin_input_ids
-    ours = pe is not None and bool(pe.positions) and all(ids[p] >= PLACEHOLDER_BASE for p in pe.positions)
+    ours = pe is not None and bool(pe.positions) and all(is_placeholder(ids[p]) for p in pe.positions)
     setattr(req, _FLAG, ours)
     return ours
 

@@ -1,8 +1,11 @@
 """Every SGLang internal that sgl_embeds patches or relies on, in one place, pinned to one version.
 
-``HOOKS`` lists the patched targets (dotted path -> (hook type, our function)). ``RELIED_ON``
-lists the internals we call or read, each with the names its source must still mention. A moved
-or renamed target fails ``missing_targets()`` (and its test) with the exact path.
+Each target is a dotted path with its *guard*: the names its source must still mention for our
+hook or call to be right. ``PATCHED`` lists the hooked targets (the hook tables that attach our
+functions are ``srt.plugin.hook_table`` for the engine and HTTP processes and
+``lang.hook_table`` for the frontend; a test keeps both equal to ``PATCHED``); ``RELIED_ON`` the
+internals we call or read. A moved or renamed target fails ``missing_targets()`` (and its test)
+with the exact path.
 """
 
 from __future__ import annotations
@@ -14,35 +17,44 @@ import pkgutil
 SGLANG_VERSION = "0.5.23"
 
 _SB = "sglang.srt.managers.schedule_batch"
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _HTTP = "sglang.srt.entrypoints.http_server"
 _ENGINE = "sglang.srt.entrypoints.engine.Engine"
-
-# target -> (hook type name, "module:function" of ours, names the target's source must mention)
-HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    f"{_SB}.Req.__init__": ("AROUND", "scheduler:req_init", ("skip_radix_cache_insert", "positional_embed_overrides")),
-    f"{_SB}.Req.init_next_round_input": ("AROUND", "scheduler:req_init_next_round_input", ("positional_embed_overrides", "token_ids_to_match")),
-    f"{_SB}.ScheduleBatch.prepare_for_extend": ("AROUND", "scheduler:prepare_for_extend", ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides")),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.add_logprob_to_meta_info": ("AROUND", "logprobs:add_logprob_to_meta_info", ('meta_info["input_token_logprobs"]',)),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ("AROUND", "openai:generate_request", ()),
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend": (
-        "AROUND", "sgl_embeds.cpu.attention:sdpa_forward_extend", ("per_req_query_redudant", "extend_prefix_lens")),
-    f"{_ENGINE}.generate": ("AROUND", "engine:generate", ("tokenizer_manager.generate_request",)),
-    f"{_ENGINE}.async_generate": ("AROUND", "engine:async_generate", ("tokenizer_manager.generate_request",)),
-}
-# Hooks that only make sense in the process that serves HTTP.
-HTTP_HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    f"{_HTTP}.launch_server": ("BEFORE", "http:before_launch_server", ()),
-}
-# Frontend (client-side) hooks, applied when ``sgl_embeds`` is imported.
 _EXEC = "sglang.lang.interpreter.StreamExecutor"
-LANG_HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    f"{_EXEC}._execute": ("AROUND", "lang:execute", ("SglImage", "Unknown type")),
-    f"{_EXEC}.fork": ("AROUND", "lang:fork", ("images_", "text_")),
+
+# Scheduler process
+REQ_INIT = f"{_SB}.Req.__init__"
+REQ_NEXT_ROUND_INPUT = f"{_SB}.Req.init_next_round_input"
+PREPARE_FOR_EXTEND = f"{_SB}.ScheduleBatch.prepare_for_extend"
+SDPA_FORWARD_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend"
+# Tokenizer-manager (HTTP) process
+ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
+GENERATE_REQUEST = f"{_TM}.generate_request"
+LAUNCH_SERVER = f"{_HTTP}.launch_server"
+ENGINE_GENERATE = f"{_ENGINE}.generate"
+ENGINE_ASYNC_GENERATE = f"{_ENGINE}.async_generate"
+# Frontend (client) process
+EXECUTE = f"{_EXEC}._execute"
+FORK = f"{_EXEC}.fork"
+
+PATCHED: dict[str, tuple[str, ...]] = {
+    REQ_INIT: ("skip_radix_cache_insert", "positional_embed_overrides"),
+    REQ_NEXT_ROUND_INPUT: ("positional_embed_overrides", "token_ids_to_match"),
+    PREPARE_FOR_EXTEND: ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides"),
+    SDPA_FORWARD_EXTEND: ("per_req_query_redudant", "extend_prefix_lens"),
+    ADD_LOGPROB_TO_META_INFO: ('meta_info["input_token_logprobs"]',),
+    GENERATE_REQUEST: (),
+    LAUNCH_SERVER: (),
+    ENGINE_GENERATE: ("tokenizer_manager.generate_request",),
+    ENGINE_ASYNC_GENERATE: ("tokenizer_manager.generate_request",),
+    EXECUTE: ("SglImage", "Unknown type"),
+    FORK: ("images_", "text_"),
 }
 RELIED_ON: dict[str, tuple[str, ...]] = {
     f"{_HTTP}.serve_generate_request": ("tokenizer_manager.generate_request",),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages": ("request.input_ids is not None", "prompt_ids=request.input_ids"),
     "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request": ('{"input_ids": prompt}',),
+    "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request": ("raw_request",),
     f"{_HTTP}.app": (),
     f"{_HTTP}._global_state": (),
     "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds"),
@@ -51,9 +63,9 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item": ("positional_embed_overrides[i]",),
     "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images": ('data["image_data"]',),
     "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint.select": ("_generate_http_request", "input_token_logprobs"),
-    "sglang.lang.interpreter.StreamExecutor._execute_fill": ("self.text_ += value",),
+    f"{_EXEC}._execute_fill": ("self.text_ += value",),
 }
-TARGETS = {**HOOKS, **HTTP_HOOKS, **LANG_HOOKS, **{k: ("", "", v) for k, v in RELIED_ON.items()}}
+TARGETS: dict[str, tuple[str, ...]] = {**PATCHED, **RELIED_ON}
 
 
 def installed_version() -> str:
@@ -63,7 +75,7 @@ def installed_version() -> str:
 def missing_targets() -> list[str]:
     """Targets that do not resolve, or whose source no longer mentions what we rely on."""
     problems = []
-    for target, (_, _, names) in TARGETS.items():
+    for target, names in TARGETS.items():
         try:
             obj = pkgutil.resolve_name(target)
         except (ImportError, AttributeError) as e:

@@ -1,0 +1,96 @@
+"""Request JSON -> segments, on the server: span decoding, handle lookup, segment lists.
+
+The span fields of a request body are ``input_segments`` (a list of wire segments, or a list of
+such lists for a batch) and ``input_embeds`` (one wire tensor for the whole prompt, or a list of
+them). Each tensor is decoded and checked here, once (``wire.decode_tensor``); a
+``{"handle": ...}`` in its place is looked up with the route's ``Resolver``. Shapes are checked
+against the model later, in ``prompts.build_ids``. Every error is a ``ValueError`` (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from sgl_embeds import wire
+from sgl_embeds.segments import Embeds, Ids, Segment, Text
+
+SPAN_FIELDS = ("input_segments", "input_embeds")
+# Looks up an uploaded span by its handle (``handles.SpanStore.get``); HTTP only.
+Resolver = Callable[[Any], torch.Tensor]
+
+
+def max_request_bytes() -> int:
+    """Decoded float32 bytes allowed in one request's spans (``SGL_EMBEDS_MAX_BYTES``)."""
+    return int(os.environ.get("SGL_EMBEDS_MAX_BYTES", wire.DEFAULT_MAX_BYTES))
+
+
+def has_span_fields(body: dict) -> bool:
+    return body.get("input_segments") is not None or body.get("input_embeds") is not None
+
+
+def decode_span(obj: Any, max_bytes: int, resolve: Resolver | None = None) -> torch.Tensor:
+    """A wire tensor, or ``{"handle": ...}`` looked up with ``resolve``."""
+    if isinstance(obj, dict) and "handle" in obj:
+        if resolve is None:
+            raise wire.WireError("span handles are accepted only by the HTTP server")
+        if len(obj) != 1:
+            raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
+        return resolve(obj["handle"])
+    return wire.decode_tensor(obj, max_bytes)
+
+
+def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, resolve: Resolver | None = None) -> list[Segment]:
+    """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
+    if not isinstance(items, list) or not items:
+        raise wire.WireError("input_segments must be a non-empty list of segment objects")
+    out: list[Segment] = []
+    budget = max_bytes
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise wire.WireError(f"segment {i} must be an object, got {type(item).__name__}")
+        kind = item.get("type")
+        if kind == "text":
+            if not isinstance(item.get("text"), str):
+                raise wire.WireError(f"segment {i}: 'text' must be a string")
+            out.append(Text(item["text"]))
+        elif kind == "input_ids":
+            ids = item.get("input_ids")
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise wire.WireError(f"segment {i}: 'input_ids' must be a list of non-negative ints")
+            out.append(Ids(ids))
+        elif kind == "embeds":
+            if "embeds" not in item:
+                raise wire.WireError(f"segment {i}: an embeds segment needs an 'embeds' field")
+            try:
+                t = decode_span(item["embeds"], budget, resolve)
+            except wire.WireError as e:
+                raise wire.WireError(f"segment {i}: {e}") from None
+            budget -= t.numel() * 4
+            out.append(Embeds(t))
+        else:
+            raise wire.WireError(f"segment {i}: unknown type {kind!r} (use text, input_ids or embeds)")
+    return out
+
+
+def parse_prompts(body: dict, max_bytes: int, resolve: Resolver | None = None) -> tuple[list[list[Segment]], bool]:
+    """The span prompts of a request body: (one segment list per prompt, is_batch)."""
+    if body.get("input_segments") is not None and body.get("input_embeds") is not None:
+        raise ValueError("give either input_segments or input_embeds, not both")
+    for other in ("text", "input_ids"):
+        if body.get(other) is not None:
+            raise ValueError(f"{other} cannot be combined with input_segments/input_embeds: "
+                             "put the text or ids in input_segments instead")
+    if body.get("input_segments") is not None:
+        items = body["input_segments"]
+        if isinstance(items, list) and items and isinstance(items[0], list):
+            return [segments_from_wire(p, max_bytes, resolve) for p in items], True
+        return [segments_from_wire(items, max_bytes, resolve)], False
+    embeds = body["input_embeds"]
+    if wire.is_tensor_batch(embeds):
+        return [[Embeds(decode_span(e, max_bytes, resolve))] for e in embeds], True
+    return [[Embeds(decode_span(embeds, max_bytes, resolve))]], False
