@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import sglang as sgl
 import torch
@@ -22,13 +23,14 @@ DESCRIPTION = "A red bicycle with a wicker basket is parked next to a blue door.
 QUESTIONS = ["What color is the bicycle?", "What is next to the bicycle?"]
 
 
-def description_rows(model_dir) -> torch.Tensor:
-    """The model's own input-embedding rows of the description: [n, hidden]."""
+def embedding_rows(model_dir, text: str) -> torch.Tensor:
+    """The model's own input-embedding rows of ``text`` (no special tokens): ``[n, hidden]``.
+    Fed as a span, they stand for the text without the model ever seeing it as text."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model_dir).encode(DESCRIPTION, add_special_tokens=False)
-    shard = next(model_dir.glob("*.safetensors"))
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
+    shard = next(Path(model_dir).glob("*.safetensors"))
     with safe_open(str(shard), "pt") as f:
         table = f.get_tensor("model.embed_tokens.weight")
     return table[ids].float()
@@ -45,7 +47,7 @@ def main() -> int:
     t0 = time.monotonic()
     model_dir = demo_model_dir()
     print(f"[demo] model: {model_dir} ({time.monotonic() - t0:.0f} s)")
-    rows = description_rows(model_dir)
+    rows = embedding_rows(model_dir, DESCRIPTION)
     print(f"[demo] span: {rows.shape[0]} embedding rows of a {rows.shape[1]}-wide model, standing for:\n       {DESCRIPTION!r}")
     with Server(model_dir) as server:
         print(f"[demo] server ready at {server.url} ({time.monotonic() - t0:.0f} s)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_embeds.testing.models import tiny_llava_dir, tiny_model_dir
+from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
 from sgl_embeds.testing.server import Server
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
@@ -50,6 +50,14 @@ def qwen_server(qwen_dir):
 @pytest.fixture(scope="session")
 def constrained_server(llama_dir):
     server = _serve(llama_dir, CONSTRAINED_ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server():
+    """The demo model (SmolLM2-135M-Instruct, float32): for tutorials whose answers must be right."""
+    server = _serve(demo_model_dir())
     yield server
     server.stop()
 
