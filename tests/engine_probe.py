@@ -38,6 +38,12 @@ def main(model_dir: str) -> dict:
                 errors.append(None)
             except ValueError as e:
                 errors.append(str(e))
+        for bad_ids in ([1, 2, 10**6], [1, -2], [[1], [2**62 + 5]]):  # out of the vocabulary, plain or batched
+            try:
+                eng.generate(input_ids=bad_ids, sampling_params={"max_new_tokens": 1})
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
         out["errors"] = errors
         out["after_errors"] = len(eng.generate(prompt="the red fox", sampling_params={"temperature": 0, "max_new_tokens": 3})["output_ids"])
     finally:

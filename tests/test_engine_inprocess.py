@@ -44,4 +44,6 @@ def test_engine_full_prompt_tensor_batch_and_stream(probe, llama_dir):
 
 def test_engine_bad_input_raises_value_error_and_keeps_serving(probe):
     assert "hidden size 3" in probe["errors"][0] and "NaN or Inf" in probe["errors"][1]
+    assert "input_ids[2] = 1000000 is outside the vocabulary" in probe["errors"][2]
+    assert "input_ids[1] = -2" in probe["errors"][3] and "input_ids[1][0]" in probe["errors"][4]
     assert probe["after_errors"] == 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.srt import parse, prompts
+from sgl_embeds.srt import parse, prompts, token_ids
 
 _RENAMED = {"prompt": "text"}
 
@@ -23,8 +23,16 @@ def _span_request(engine: Any, args: tuple, kwargs: dict) -> Any:
     return prompts.make_generate_req(body, spec)
 
 
+def _check_stock_ids(engine: Any, kwargs: dict) -> None:
+    """``input_ids`` given by keyword must be ids of the vocabulary (see ``token_ids.py``)."""
+    if kwargs.get("input_ids") is not None:
+        vocab_size = engine.tokenizer_manager.model_config.vocab_size
+        token_ids.check_id_lists(kwargs["input_ids"], vocab_size, "input_ids")
+
+
 def generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     if not parse.has_span_fields(kwargs):
+        _check_stock_ids(self, kwargs)
         return original(self, *args, **kwargs)
     obj = _span_request(self, args, kwargs)
     generator = self.tokenizer_manager.generate_request(obj, None)
@@ -43,6 +51,7 @@ def generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
 
 async def async_generate(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     if not parse.has_span_fields(kwargs):
+        _check_stock_ids(self, kwargs)
         return await original(self, *args, **kwargs)
     obj = _span_request(self, args, kwargs)
     generator = self.tokenizer_manager.generate_request(obj, None)

@@ -2,7 +2,8 @@
 
 An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at the
 bodies of the routes in ``ROUTES``. A body without span fields goes on to the stock route
-untouched. A body with spans is decoded and validated here (HTTP 400 with the reason on any
+untouched once its token ids, if any, are checked (``token_ids.py``: an id outside the
+vocabulary would kill stock SGLang's scheduler). A body with spans is decoded and validated here (HTTP 400 with the reason on any
 problem): ``/generate`` becomes ``input_ids`` + ``positional_embed_overrides`` served by SGLang's
 own ``serve_generate_request``; the OpenAI routes are rewritten to token ids and handed on to
 SGLang's own route with the span rows on the request's state (see ``openai.py``). Decoding and
@@ -21,7 +22,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from sgl_embeds import wire
-from sgl_embeds.srt import handles, openai, parse, prompts
+from sgl_embeds.srt import handles, openai, parse, prompts, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,15 @@ class SpanMiddleware:
         replay = _replay(body, receive)
         payload = _parse_json(body)
         detect, handler = route
-        if not isinstance(payload, dict) or not detect(payload):
+        if not isinstance(payload, dict):
+            return await self.app(scope, replay, send)
+        if not detect(payload):  # a stock body: only its token ids are checked here
+            ids = token_ids.stock_ids(path, payload)
+            try:
+                if ids is not None:
+                    token_ids.check_id_lists(ids[1], server_spec().vocab_size, ids[0])
+            except ValueError as e:
+                return await error_response(str(e))(scope, replay, send)
             return await self.app(scope, replay, send)
         from starlette.requests import Request
 

@@ -85,6 +85,12 @@ def parse_prompts(body: dict, max_bytes: int, resolve: Resolver | None = None) -
         if body.get(other) is not None:
             raise ValueError(f"{other} cannot be combined with input_segments/input_embeds: "
                              "put the text or ids in input_segments instead")
+    if body.get("session_params") is not None:
+        # A session request is rebuilt in the scheduler from the session's history, without the
+        # span rows: the spans would be lost. One span prompt holding the whole conversation
+        # gets the same reuse from the radix cache.
+        raise ValueError("span prompts cannot continue a session (session_params): send the whole "
+                         "conversation as one span prompt; the prefix cache reuses the earlier turns")
     if body.get("input_segments") is not None:
         items = body["input_segments"]
         if isinstance(items, list) and items and isinstance(items[0], list):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE, is_placeholder
+from sgl_embeds.srt.token_ids import first_bad_position
 
 _FLAG = "_sgl_embeds_span_prompt"
 
@@ -29,13 +30,33 @@ def _mark(req: Any) -> bool:
 
 
 def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-    """After ``Req.__init__``: undo the stock cache opt-out for span prompts."""
+    """After ``Req.__init__``: undo the stock cache opt-out for span prompts, and abort a request
+    holding an id the embedding table cannot look up (the last guard, see ``token_ids.py``)."""
     original(self, *args, **kwargs)
     if _mark(self):
         # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
         from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST
 
         self.skip_radix_cache_insert = self.bootstrap_host == FAKE_BOOTSTRAP_HOST
+    abort_unlookupable(self)
+
+
+def abort_unlookupable(req: Any) -> bool:
+    """Abort ``req`` (this request only) if an id outside the vocabulary would reach the
+    embedding lookup: a bad id, or a placeholder id without its span's rows."""
+    vocab_size = getattr(req, "vocab_size", None)
+    if vocab_size is None or getattr(req, "input_embeds", None) is not None:
+        return False
+    spans = req.positional_embed_overrides.positions if is_span_prompt(req) else ()
+    pos = first_bad_position(req.origin_input_ids, vocab_size, spans)
+    if pos is None:
+        return False
+    token = int(req.origin_input_ids[pos])
+    why = " (a span placeholder id without its rows)" if is_placeholder(token) else ""
+    req.positional_embed_overrides = None
+    setattr(req, _FLAG, False)
+    req.set_finish_with_abort(f"token id {token} at position {pos} is outside the vocabulary [0, {vocab_size}){why}")
+    return True
 
 
 def req_init_next_round_input(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:

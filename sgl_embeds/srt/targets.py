@@ -38,7 +38,7 @@ EXECUTE = f"{_EXEC}._execute"
 FORK = f"{_EXEC}.fork"
 
 PATCHED: dict[str, tuple[str, ...]] = {
-    REQ_INIT: ("skip_radix_cache_insert", "positional_embed_overrides"),
+    REQ_INIT: ("skip_radix_cache_insert", "positional_embed_overrides", "self.vocab_size"),
     REQ_NEXT_ROUND_INPUT: ("positional_embed_overrides", "token_ids_to_match"),
     PREPARE_FOR_EXTEND: ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides"),
     SDPA_FORWARD_EXTEND: ("per_req_query_redudant", "extend_prefix_lens"),
@@ -59,6 +59,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     f"{_HTTP}._global_state": (),
     "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds"),
     f"{_SB}.FAKE_BOOTSTRAP_HOST": (),
+    f"{_SB}.Req.set_finish_with_abort": ("origin_input_ids", "FINISH_ABORT"),
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs": ("replace_embeds", "replace_positions"),
     "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item": ("positional_embed_overrides[i]",),
     "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images": ('data["image_data"]',),

@@ -1,0 +1,128 @@
+"""Token ids at the boundaries, on every route and form that takes ids: each hostile request gets
+a 4xx that says what is wrong, and the server answers a valid request right after it.
+
+Stock SGLang 0.5.23 passes such ids to the embedding lookup, where they kill the scheduler
+process (see docs/reliability.md). Also the unit checks of the scheduler's last guard."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import requests
+
+from helpers import seeded_rows, span, text
+from sgl_embeds.srt import scheduler, token_ids
+from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE
+
+VOCAB = 507  # the tiny Llama's (its tokenizer's size; checked against the server below)
+
+
+def _hostile(vocab: int) -> list:
+    return [vocab, vocab + 1, 2**31, 2**62, 2**62 + 12345, 2**63 - 1, 2**63, 2**64 + 5, -1, -3, 1.5, "7", True, None]
+
+
+def _forms(bad) -> dict[str, tuple[str, dict]]:
+    one = {"max_new_tokens": 2, "temperature": 0}
+    return {
+        "generate ids": ("/generate", {"input_ids": [1, 2, bad], "sampling_params": one}),
+        "generate batch ids": ("/generate", {"input_ids": [[1, 2], [3, bad]], "sampling_params": one}),
+        "generate span + ids segment": ("/generate", {"input_segments": [text("the"), span(seeded_rows(1, 3)),
+                                                      {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}),
+        "completions ids": ("/v1/completions", {"model": "default", "prompt": [1, 2, bad], "max_tokens": 2}),
+        "completions batch ids": ("/v1/completions", {"model": "default", "prompt": [[1, 2], [bad]], "max_tokens": 2}),
+        "chat input_ids": ("/v1/chat/completions", {"model": "default", "max_tokens": 2, "input_ids": [1, bad],
+                                                    "messages": [{"role": "user", "content": "hi"}]}),
+    }
+
+
+def _alive(server) -> None:
+    r = requests.post(server.url + "/generate", json={"text": "the red fox", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_boundary_ids_get_4xx_and_never_take_the_server_down(llama_server):
+    assert requests.get(llama_server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"] == VOCAB
+    sent = 0
+    for bad in _hostile(VOCAB):
+        for form, (path, body) in _forms(bad).items():
+            r = requests.post(llama_server.url + path, json=body, timeout=60)
+            sent += 1
+            assert 400 <= r.status_code < 500, (form, bad, r.status_code, r.text[:300])
+            assert llama_server.alive(), (form, bad)
+        _alive(llama_server)
+    assert sent == len(_hostile(VOCAB)) * 6
+    # the last valid id is served on every form
+    for form, (path, body) in _forms(VOCAB - 1).items():
+        r = requests.post(llama_server.url + path, json=body, timeout=60)
+        assert r.status_code == 200, (form, r.text[:300])
+
+
+def test_the_refusal_names_the_field_and_the_id(llama_server):
+    r = requests.post(llama_server.url + "/generate", json={"input_ids": [1, PLACEHOLDER_BASE + 7]}, timeout=60)
+    assert r.status_code == 400
+    assert f"input_ids[1] = {PLACEHOLDER_BASE + 7} is outside the vocabulary [0, {VOCAB})" in r.json()["message"]
+    assert "span placeholder id" in r.json()["message"]
+
+
+def test_span_prompts_in_a_session_are_refused_and_the_session_keeps_working(llama_server):
+    sid = requests.post(llama_server.url + "/open_session", json={"capacity_of_str_len": 1000}, timeout=60).json()
+    try:
+        params = {"id": sid, "rid": None, "offset": -1, "replace": False}
+        first = requests.post(llama_server.url + "/generate", json={"text": "the red fox", "session_params": params,
+                                                                    "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert first.status_code == 200, first.text
+        params["rid"] = first.json()["meta_info"]["id"]
+        spans = requests.post(llama_server.url + "/generate", json={
+            "input_segments": [text(" and"), span(seeded_rows(2, 4))], "session_params": params,
+            "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert spans.status_code == 400 and "cannot continue a session" in spans.json()["message"]
+        ids = requests.post(llama_server.url + "/generate", json={"input_ids": [3, 2**62 + 5], "session_params": params,
+                                                                  "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert ids.status_code == 400
+        more = requests.post(llama_server.url + "/generate", json={"text": " is", "session_params": params,
+                                                                   "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert more.status_code == 200, more.text
+    finally:
+        requests.post(llama_server.url + "/close_session", json={"session_id": sid}, timeout=60)
+    _alive(llama_server)
+
+
+def test_first_bad_position_skips_span_rows_only():
+    assert token_ids.first_bad_position([1, 2, 3], 10) is None
+    assert token_ids.first_bad_position([1, -1, 3], 10) == 1
+    assert token_ids.first_bad_position([1, PLACEHOLDER_BASE, 3], 10, span_positions=[1]) is None
+    assert token_ids.first_bad_position([PLACEHOLDER_BASE, 10, PLACEHOLDER_BASE], 10, span_positions=[0]) == 1
+    assert token_ids.first_bad_position([1, 2**64, 3], 10) == 1  # beyond int64
+
+
+class _FakeReq:
+    """Just what the guard reads and writes of SGLang's ``Req``."""
+
+    def __init__(self, ids, overrides=None):
+        self.origin_input_ids, self.vocab_size, self.input_embeds = array("q", ids), 10, None
+        self.positional_embed_overrides, self.aborted = overrides, None
+        setattr(self, scheduler._FLAG, overrides is not None)
+
+    def set_finish_with_abort(self, message):
+        self.aborted = message
+
+
+def test_the_scheduler_guard_aborts_only_the_bad_request():
+    class Overrides:
+        positions = [1]
+
+    good = _FakeReq([1, PLACEHOLDER_BASE + 1, 3], Overrides())
+    assert not scheduler.abort_unlookupable(good) and good.aborted is None
+    stray = _FakeReq([1, PLACEHOLDER_BASE + 1, PLACEHOLDER_BASE + 2], Overrides())
+    assert scheduler.abort_unlookupable(stray)
+    assert "at position 2" in stray.aborted and "without its rows" in stray.aborted
+    assert stray.positional_embed_overrides is None
+    negative = _FakeReq([1, -4])
+    assert scheduler.abort_unlookupable(negative) and "token id -4" in negative.aborted
+
+
+@pytest.mark.parametrize("ids, where", [([1, 2**63], "input_ids[1]"), ([[1], [0.5]], "input_ids[1][0]"), ("1 2", "input_ids")])
+def test_check_id_lists_names_the_place(ids, where):
+    with pytest.raises(ValueError, match=where.replace("[", "\\[").replace("]", "\\]")):
+        token_ids.check_id_lists(ids, VOCAB, "input_ids")
