@@ -58,7 +58,7 @@ def server_spec() -> prompts.ModelSpec:
 async def generate_route(body: dict, request: Any, ctx: prompts.RouteContext) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
-    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.resolve)  # ValueError -> 400
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.resolve, True)  # ValueError -> 400
     return await serve_generate_request(obj, request)
 
 

@@ -110,11 +110,20 @@ def _parallel_samples(sampling_params: Any) -> int:
     return n if isinstance(n, int) and n > 1 else 1
 
 
-def make_generate_req(body: dict, spec: ModelSpec, resolve: Resolver | None = None):
-    """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field."""
+def make_generate_req(body: dict, spec: ModelSpec, resolve: Resolver | None = None, ignore_unknown: bool = False):
+    """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field.
+
+    ``ignore_unknown`` (HTTP): fields ``GenerateReqInput`` does not have are dropped, as stock
+    ``/generate`` drops them (a gateway in front adds ``model``, for one). The ``Engine`` keeps
+    them, so a misspelt keyword is an error there, as it is for the stock ``Engine.generate``."""
+    import dataclasses
+
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     kwargs = to_generate_kwargs(body, spec, resolve)
+    if ignore_unknown:
+        known = {f.name for f in dataclasses.fields(GenerateReqInput)}
+        kwargs = {k: v for k, v in kwargs.items() if k in known}
     try:
         return GenerateReqInput(**kwargs)
     except TypeError as e:
