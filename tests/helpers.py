@@ -41,5 +41,10 @@ def reference_embeds(model_dir, parts: list) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def with_other_spans(parts: list, seed: int = 1000) -> list:
+    """The same prompt parts with every span replaced by other random rows of the same shape."""
+    return [p if isinstance(p, str) else seeded_rows(seed + i, p.shape[0], p.shape[1]) for i, p in enumerate(parts)]
+
+
 def to_segments(parts: list, fmt: str = "base64") -> list:
     return [text(p) if isinstance(p, str) else span(p, fmt) for p in parts]

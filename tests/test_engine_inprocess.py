@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import seeded_rows as rows
-from helpers import reference_embeds
+from helpers import reference_embeds, with_other_spans
 from sgl_embeds.testing import reference as ref
 
 pytestmark = pytest.mark.server
@@ -30,15 +30,15 @@ def probe(llama_dir):
 
 def test_engine_span_prompt_matches_hf_and_hits_the_cache(probe, llama_dir):
     res = probe["segments"]
-    tokens, gaps = ref.greedy(llama_dir, reference_embeds(llama_dir, ["the small dog", rows(11, 7), " is"]), 10)
-    ref.assert_same_tokens(res["ids"], tokens, gaps)
+    parts = ["the small dog", rows(11, 7), " is"]
+    ref.assert_matches_hf(res["ids"], llama_dir, reference_embeds(llama_dir, parts), 10,
+                          other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     assert res["cached"] == res["prompt"] - 1 and res["again_ids"] == res["ids"]
 
 
 def test_engine_full_prompt_tensor_batch_and_stream(probe, llama_dir):
     for seed, ids in zip((1, 2), probe["batch"]):
-        tokens, gaps = ref.greedy(llama_dir, rows(seed, 6), 6)
-        ref.assert_same_tokens(ids, tokens, gaps)
+        ref.assert_matches_hf(ids, llama_dir, rows(seed, 6), 6, f"prompt {seed}: ", other_span_embeds=rows(seed + 50, 6))
     assert probe["stream"]["chunks"] > 1 and probe["stream"]["completion"] == 6
 
 

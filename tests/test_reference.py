@@ -1,0 +1,52 @@
+"""The HF comparison rule itself (no model): what ``check_greedy`` forgives and what it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_embeds.testing.reference import NEAR_TIE, Greedy, check_greedy
+
+TIE, CLEAR = NEAR_TIE / 10, 1.0
+
+
+def _scripted(continuations: dict[tuple, Greedy]):
+    """HF's continuation after each prefix, as a test writes it down."""
+    return lambda prefix: continuations[tuple(prefix)]
+
+
+def test_identical_sequences_forgive_nothing():
+    hf = _scripted({(): Greedy([5, 6, 7], [1, 1, 1], [CLEAR] * 3)})
+    assert check_greedy([5, 6, 7], hf) == 0
+
+
+def test_a_runner_up_at_a_near_tie_is_forgiven_once_and_the_rest_is_still_compared():
+    hf = _scripted({(): Greedy([5, 6, 7, 8], [1, 9, 1, 1], [CLEAR, TIE, CLEAR, CLEAR]),
+                    (5, 9): Greedy([3, 4], [1, 1], [CLEAR, CLEAR])})
+    assert check_greedy([5, 9, 3, 4], hf) == 1
+    with pytest.raises(AssertionError, match="token 3 differs"):  # after the tie, a clear miss still fails
+        check_greedy([5, 9, 3, 0], hf)
+
+
+@pytest.mark.parametrize("ours, hf, why", [
+    ([5, 2, 7], Greedy([5, 6, 7], [1, 9, 1], [CLEAR, TIE, CLEAR]), "not HF's runner-up"),
+    ([5, 9, 7], Greedy([5, 6, 7], [1, 9, 1], [CLEAR, CLEAR, CLEAR]), "not a near-tie"),
+    ([9, 6, 7], Greedy([5, 6, 7], [9, 1, 1], [TIE, CLEAR, CLEAR]), "the first token"),
+])
+def test_other_divergences_fail(ours, hf, why):
+    with pytest.raises(AssertionError, match="differs"):
+        check_greedy(ours, _scripted({(): hf}))
+
+
+def test_a_second_forgiveness_fails():
+    hf = _scripted({(): Greedy([5, 6, 7], [1, 9, 1], [CLEAR, TIE, CLEAR]),
+                    (5, 9): Greedy([7, 8], [2, 1], [TIE, CLEAR])})
+    with pytest.raises(AssertionError, match="forgiven so far 1"):
+        check_greedy([5, 9, 2, 8], hf)
+
+
+def test_different_lengths_fail():
+    hf = _scripted({(): Greedy([5, 6], [1, 1], [CLEAR, CLEAR])})
+    with pytest.raises(AssertionError, match="HF stopped"):
+        check_greedy([5, 6, 7], hf)
+    with pytest.raises(AssertionError, match="we stopped"):
+        check_greedy([5], hf)
