@@ -44,9 +44,8 @@ def test_token_embeddings_as_a_span_equal_the_same_ids_as_text(llama_server, lla
     as_span = generate(llama_server, body([text("describe"), span(ref.embed_ids(llama_dir, ids))], 12))
     assert as_span["output_ids"] == as_text["output_ids"]
     plain = generate(llama_server, {"text": "describe the quick red fox near the house", "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
-    first = tok.encode("describe") + ids
-    if tok.encode("describe the quick red fox near the house") == first:
-        assert plain["output_ids"] == as_text["output_ids"]
+    assert tok.encode("describe the quick red fox near the house") == tok.encode("describe") + ids  # same ids as text
+    assert plain["output_ids"] == as_text["output_ids"]
 
 
 def test_outputs_vary_with_the_span(llama_server):

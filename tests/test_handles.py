@@ -41,9 +41,15 @@ def test_upload_once_and_refer_by_handle_everywhere(llama_server):
     assert by_handle["meta_info"]["cached_tokens"] >= 10  # same rows, same placeholders, same cache
     full = generate(llama_server, {"input_embeds": {"handle": handle}, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     assert full["meta_info"]["prompt_tokens"] == 10
-    chat = requests.post(url + "/v1/chat/completions", json={"model": "default", "max_tokens": 3, "messages": [
-        {"role": "user", "content": [{"type": "input_embeds", "input_embeds": {"handle": handle}}]}]}, timeout=60)
-    assert chat.status_code == 200, chat.text
+    def chat(part):
+        r = requests.post(url + "/v1/chat/completions", json={"model": "default", "max_tokens": 6, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "input_embeds", "input_embeds": part}]}]}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    chat_inline, chat_by_handle = chat(wire.encode_tensor(rows)), chat({"handle": handle})
+    assert chat_by_handle["choices"][0]["message"]["content"] == chat_inline["choices"][0]["message"]["content"]
+    assert chat_by_handle["usage"]["prompt_tokens"] == chat_inline["usage"]["prompt_tokens"]
     info = requests.get(url + "/sgl_embeds/info", timeout=30).json()["span_store"]
     assert info["count"] >= 1 and info["bytes"] >= 10 * 64 * 4
     assert requests.delete(url + f"/sgl_embeds/spans/{handle}", timeout=30).json() == {"deleted": True}
