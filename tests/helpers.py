@@ -48,3 +48,22 @@ def with_other_spans(parts: list, seed: int = 1000) -> list:
 
 def to_segments(parts: list, fmt: str = "base64") -> list:
     return [text(p) if isinstance(p, str) else span(p, fmt) for p in parts]
+
+
+def hf_select_scores(model_dir, parts: list, suffix: str, choices: list[str]) -> list[float]:
+    """HF's score of each choice after ``parts`` + ``suffix``: the token-length-normalized logprob
+    of the choice's tokens, as SGLang's ``select`` computes it (the suffix's trailing space
+    belongs to the choice's first token, as the tokenizer merges it)."""
+    tok, model = ref.hf_tokenizer(str(model_dir)), ref.hf_model(str(model_dir))
+    prefix = reference_embeds(model_dir, parts)
+    n_pre = prefix.shape[0] + len(tok.encode(suffix.rstrip(" "), add_special_tokens=False))
+    scores = []
+    for c in choices:
+        ids = tok.encode(suffix + c, add_special_tokens=False)
+        full = torch.cat([prefix, ref.embed_ids(model_dir, ids)])
+        with torch.no_grad():
+            logp = model(inputs_embeds=full.unsqueeze(0)).logits[0].log_softmax(-1)
+        tail = ids[len(ids) - (full.shape[0] - n_pre):]
+        lps = [logp[p - 1, t].item() for p, t in zip(range(n_pre, full.shape[0]), tail)]
+        scores.append(sum(lps) / len(lps))
+    return scores

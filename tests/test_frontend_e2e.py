@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 import sgl_embeds
-from helpers import reference_embeds, seeded_rows, with_other_spans
+from helpers import hf_select_scores, reference_embeds, seeded_rows, with_other_spans
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds import segments as seg
 from sgl_embeds.testing import reference as ref
@@ -78,19 +78,7 @@ def test_select_with_spans_matches_hf_scoring(backend, llama_dir):
         s += "the image" + sgl.embeds(x) + " shows a " + sgl.select("c", choices=choices, temperature=0)
 
     state = pick.run(x=x, backend=backend)
-    # HF: the same token-length-normalized logprob that SGLang's select uses
-    tok = ref.hf_tokenizer(str(llama_dir))
-    model = ref.hf_model(str(llama_dir))
-    prefix = reference_embeds(llama_dir, ["the image", x])
-    scores = []
-    for c in choices:
-        ids = tok.encode(" shows a " + c, add_special_tokens=False)
-        full = torch.cat([prefix, ref.embed_ids(llama_dir, ids)])
-        with torch.no_grad():
-            logp = model(inputs_embeds=full.unsqueeze(0)).logits[0].log_softmax(-1)
-        n_pre = prefix.shape[0] + len(tok.encode(" shows a", add_special_tokens=False))
-        lps = [logp[p - 1, full_id].item() for p, full_id in zip(range(n_pre, full.shape[0]), ids[len(ids) - (full.shape[0] - n_pre):])]
-        scores.append(sum(lps) / len(lps))
+    scores = hf_select_scores(llama_dir, ["the image", x], " shows a ", choices)
     assert state["c"] == choices[max(range(3), key=lambda i: scores[i])], (state["c"], scores)
 
 

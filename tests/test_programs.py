@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sgl_embeds
-from helpers import seeded_rows
+from helpers import hf_select_scores, seeded_rows
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds import segments as seg
@@ -45,12 +45,14 @@ def test_compare_images_sends_one_span_per_image(backend):
 def test_caption_regions_encodes_each_crop(backend):
     scene, boxes = synthetic_scene(), [(8, 8, 32, 32), (0.5, 0.5, 1.0, 1.0)]
     state = caption_regions.run(image=scene, boxes=boxes, max_tokens=6, backend=backend)
-    assert len(state["captions"]) == 2 and all(isinstance(c, str) for c in state["captions"])
     enc = GridEncoder()
     sent = sgl_embeds.compile_program(caption_regions, backend, image=scene, boxes=boxes, max_tokens=6)
     regions = [[s.tensor for s in call if isinstance(s, seg.Embeds)][-1] for call in sent[:2]]  # branches run in any order
-    for box in boxes:
-        assert sum(torch.equal(r, enc(crop(scene, box))) for r in regions) == 1, box
+    for box, caption in zip(boxes, state["captions"]):
+        calls = [call for call, r in zip(sent[:2], regions) if torch.equal(r, enc(crop(scene, box)))]
+        assert len(calls) == 1, box  # each crop encoded once, in its own branch
+        assert caption == _direct(backend, calls[0], 6)["text"]  # and captioned from that branch's prompt
+    assert state["captions"][0] != state["captions"][1]
 
 
 def test_grounded_chat_reuses_the_cache_across_turns(backend):
@@ -60,12 +62,20 @@ def test_grounded_chat_reuses_the_cache_across_turns(backend):
 
 
 def test_extract_attributes_forks_share_the_span(backend):
-    state = extract_attributes.run(image=seeded_rows(6, 40), attributes=["color", "size", "material"], max_tokens=4, backend=backend)
-    assert set(state["attributes"]) == {"color", "size", "material"}
+    names = ["color", "size", "material"]
+    state = extract_attributes.run(image=seeded_rows(6, 40), attributes=names, max_tokens=4, backend=backend)
+    sent = sgl_embeds.compile_program(extract_attributes, backend, image=seeded_rows(6, 40), attributes=names, max_tokens=4)
+    for name in names:  # each value is what its own branch's prompt gives
+        calls = [call for call in sent[:3] if f"What is its {name}?" in call[-1].text]
+        assert len(calls) == 1 and state["attributes"][name] == _direct(backend, calls[0], 4)["text"], name
 
 
-def test_classify_picks_a_label_consistently(backend):
+def test_classify_picks_the_label_hf_scores_highest(backend, llama_dir):
     labels = ["red", "blue", "green"]
-    a = classify.run(image=seeded_rows(7, 10), labels=labels, backend=backend)["label"]
-    b = classify.run(image=seeded_rows(7, 10), labels=labels, backend=backend)["label"]
-    assert a in labels and a == b
+    image = seeded_rows(7, 10)
+    label = classify.run(image=image, labels=labels, backend=backend)["label"]
+    prompt = sgl_embeds.compile_program(classify, backend, image=image, labels=labels)[0]  # what select scores after
+    text0, span_, rest = prompt
+    scores = hf_select_scores(llama_dir, [text0.text, span_.tensor], rest.text, labels)
+    assert label == labels[max(range(3), key=lambda i: scores[i])], (label, scores)
+    assert len(set(round(s, 3) for s in scores)) == 3  # the scores tell the labels apart
