@@ -24,6 +24,5 @@ def test_tp2_span_prompts_match_hf_and_cache():
     with Server(model, extra_args=["--tp-size", "2"]) as s:
         first = generate(s, body(to_segments(parts), 8))
         again = generate(s, body(to_segments(parts), 8))
-    tokens, gaps = ref.greedy(model, reference_embeds(model, parts), 8)
-    ref.assert_same_tokens(first["output_ids"], tokens, gaps)
+    ref.assert_matches_hf(first["output_ids"], model, reference_embeds(model, parts), 8)
     assert again["meta_info"]["cached_tokens"] >= 9
