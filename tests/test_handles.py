@@ -6,9 +6,10 @@ import pytest
 import requests
 import torch
 
-from helpers import body, generate, span, text
+from helpers import body, generate, reference_embeds, span, text
 from sgl_embeds import wire
 from sgl_embeds.srt.handles import SpanStore
+from sgl_embeds.testing import reference as ref
 
 
 def test_store_evicts_least_recently_used_within_its_budget():
@@ -38,6 +39,8 @@ def test_upload_once_and_refer_by_handle_everywhere(llama_server):
     inline = generate(llama_server, body([text("the fox"), span(rows)], 8))
     by_handle = generate(llama_server, body([text("the fox"), {"type": "embeds", "embeds": {"handle": handle}}], 8))
     assert by_handle["output_ids"] == inline["output_ids"]
+    ref.assert_matches_hf(inline["output_ids"], llama_server.model_dir, reference_embeds(llama_server.model_dir, ["the fox", rows]), 8,
+                          other_span_embeds=reference_embeds(llama_server.model_dir, ["the fox", rows.flip(0)]))
     assert by_handle["meta_info"]["cached_tokens"] >= 10  # same rows, same placeholders, same cache
     full = generate(llama_server, {"input_embeds": {"handle": handle}, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     assert full["meta_info"]["prompt_tokens"] == 10

@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from helpers import body, generate, seeded_rows, span, text
+from helpers import body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
 from sgl_embeds import wire
 from sgl_embeds.testing import reference as ref
 
@@ -17,9 +17,12 @@ def client(llama_server):
     return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="none", max_retries=0)
 
 
-def test_completions_with_segments_equal_generate(client, llama_server):
-    segs = [text("the red fox"), span(seeded_rows(1, 6)), text(" near the")]
+def test_completions_with_segments_equal_generate_and_hf(client, llama_server, llama_dir):
+    parts = ["the red fox", seeded_rows(1, 6), " near the"]
+    segs = to_segments(parts)
     want = generate(llama_server, body(segs, 8))
+    ref.assert_matches_hf(want["output_ids"], llama_dir, reference_embeds(llama_dir, parts), 8,
+                          other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     out = client.completions.create(model="default", prompt="", max_tokens=8, temperature=0, extra_body={"input_segments": segs})
     assert out.choices[0].text == want["text"]
     assert out.usage.prompt_tokens == want["meta_info"]["prompt_tokens"] and out.usage.completion_tokens == 8
@@ -45,6 +48,10 @@ def test_chat_with_span_parts_equals_generate_on_the_rendered_prompt(client, lla
     before, after = rendered.split("\ue000")
     ids = lambda t: {"type": "input_ids", "input_ids": ref.hf_tokenizer(str(llama_dir)).encode(t, add_special_tokens=False)}
     want = generate(llama_server, body([ids(before), span(x), ids(after)], 8))
+    tok = ref.hf_tokenizer(str(llama_dir))
+    rows = lambda t: ref.embed_ids(llama_dir, tok.encode(t, add_special_tokens=False))
+    ref.assert_matches_hf(want["output_ids"], llama_dir, torch.cat([rows(before), x, rows(after)]), 8,
+                          other_span_embeds=torch.cat([rows(before), seeded_rows(30, 5), rows(after)]))
     assert out.choices[0].message.content == want["text"]
     assert out.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
 

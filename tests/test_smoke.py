@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sglang as sgl
 
+from helpers import hf_select_scores
 from sgl_embeds.testing import reference as ref
 
 
@@ -30,7 +31,8 @@ def test_sgl_function_with_gen_and_select_through_runtime_endpoint(llama_server,
 
     backend = sgl.RuntimeEndpoint(llama_server.url)
     state = describe.run(thing="fox", backend=backend)
-    assert state["answer"] in ("red", "blue", "green")
-    assert isinstance(state["words"], str)
+    choices = ["red", "blue", "green"]
+    scores = hf_select_scores(llama_dir, ["the fox is" + state["words"]], " so it is ", choices)
+    assert state["answer"] == choices[max(range(3), key=lambda i: scores[i])], (state["answer"], scores)
     direct = llama_server.generate({"text": "the fox is", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
     assert state["words"] == direct["text"]

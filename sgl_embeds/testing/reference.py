@@ -36,10 +36,10 @@ def _greedy_from_scores(sequences: torch.Tensor, scores: tuple) -> Greedy:
 
 
 @lru_cache(maxsize=4)
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
@@ -58,15 +58,17 @@ def embed_ids(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int, prefix: list[int] = ()) -> Greedy:
-    """HF's greedy continuation of ``inputs_embeds`` followed by the tokens ``prefix``."""
+def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int, prefix: list[int] = (),
+                 dtype: torch.dtype = torch.float32) -> Greedy:
+    """HF's greedy continuation of ``inputs_embeds`` followed by the tokens ``prefix``, with the
+    model in ``dtype``."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
     if prefix:
         inputs_embeds = torch.cat([inputs_embeds.float(), embed_ids(model_dir, list(prefix))])
-    model = hf_model(str(model_dir))
+    model = hf_model(str(model_dir), dtype)
     out = model.generate(
-        inputs_embeds=inputs_embeds.float().unsqueeze(0), attention_mask=torch.ones(1, inputs_embeds.shape[0], dtype=torch.long),
+        inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0), attention_mask=torch.ones(1, inputs_embeds.shape[0], dtype=torch.long),
         max_new_tokens=max_new_tokens - len(prefix), do_sample=False, output_scores=True, return_dict_in_generate=True,
         pad_token_id=model.config.pad_token_id,
     )
@@ -74,16 +76,17 @@ def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tok
 
 
 def assert_matches_hf(ours: list[int], model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int,
-                      context: str = "", other_span_embeds: torch.Tensor | None = None) -> Greedy:
+                      context: str = "", other_span_embeds: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32, near_tie: float = NEAR_TIE) -> Greedy:
     """Our greedy tokens equal HF ``generate(inputs_embeds=...)`` under ``check_greedy``'s rule;
     the reference must not be degenerate, and (given ``other_span_embeds``, the same prompt with
     a different span) must change with the span. Returns HF's reference."""
-    reference = greedy_after(model_dir, inputs_embeds, max_new_tokens)
+    reference = greedy_after(model_dir, inputs_embeds, max_new_tokens, dtype=dtype)
     assert len(set(reference.tokens)) > 1, f"{context}reference output is degenerate: {reference.tokens}"
     if other_span_embeds is not None:
-        other = greedy_after(model_dir, other_span_embeds, max_new_tokens).tokens
+        other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype).tokens
         assert other != reference.tokens, f"{context}the span does not change HF's output: {other}"
-    check_greedy(ours, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix), context)
+    check_greedy(ours, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context, near_tie)
     return reference
 
 
@@ -96,7 +99,8 @@ def text_embeds(model_dir: str | Path, text: str, first: bool) -> torch.Tensor:
 # -- the comparison ---------------------------------------------------------------------------
 
 
-def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], context: str = "") -> int:
+def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], context: str = "",
+                 near_tie: float = NEAR_TIE) -> int:
     """Compare our greedy tokens with HF's; returns the number of forgiven near-ties.
 
     ``continue_from(prefix)`` is HF's greedy continuation after ``prefix`` (our tokens so far). A
@@ -107,7 +111,7 @@ def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], 
     for i, token in enumerate(ours):
         assert j < len(ref.tokens), f"{context}HF stopped after {i} tokens, we did not: ours={ours}"
         if token != ref.tokens[j]:
-            tie = ref.gaps[j] < NEAR_TIE and token == ref.runner_ups[j]
+            tie = ref.gaps[j] < near_tie and token == ref.runner_ups[j]
             assert tie and i > 0 and forgiven == 0, (
                 f"{context}token {i} differs: ours {token} vs HF {ref.tokens[j]} (HF runner-up "
                 f"{ref.runner_ups[j]}, top-2 gap {ref.gaps[j]:.2e}, forgiven so far {forgiven}); ours={ours}")
