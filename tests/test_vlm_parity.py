@@ -16,6 +16,7 @@ from sgl_embeds.testing.encoders import synthetic_scene
 from sgl_embeds.vision import mask_image
 from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
 
+pytestmark = pytest.mark.server  # the servers are looked up by name in the fixture below
 MAX_TOKENS = 10
 MIN_COMPARED = 8
 
