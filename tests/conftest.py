@@ -35,7 +35,9 @@ def _serve(model_dir, extra=()):
 
 @pytest.fixture(scope="session")
 def llama_server(llama_dir):
-    server = _serve(llama_dir, ["--enable-cache-report"])
+    # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
+    # allowed whitespace until max_new_tokens (tests/test_compat_constrained.py)
+    server = _serve(llama_dir, ["--enable-cache-report", "--constrained-json-disable-any-whitespace"])
     yield server
     server.stop()
 

@@ -1,0 +1,78 @@
+"""Spans together with constrained decoding (SGLang's grammar backend, xgrammar by default):
+regex, JSON schema and EBNF on ``/generate``, ``sgl.gen(regex=...)`` in programs, and OpenAI
+``response_format``. The output satisfies the constraint, and equals the same prompt with the
+span replaced by the model's own token ids for the same rows (constraint included): a span is
+constrained exactly as text is."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+import sglang as sgl
+
+from helpers import generate, span, text
+from sgl_embeds import EmbedsEndpoint
+from sgl_embeds import segments as seg
+from sgl_embeds.testing import reference as ref
+
+pytestmark = pytest.mark.server
+WORDS = " the red fox near the blue house"
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue", "green"]}, "size": {"enum": ["small", "large"]}},
+          "required": ["color", "size"], "additionalProperties": False}
+CONSTRAINTS = {
+    "regex": ("(yes|no), the [a-z]+ [a-z]+", lambda out: re.fullmatch("(yes|no), the [a-z]+ [a-z]+", out)),
+    "json_schema": (json.dumps(SCHEMA), lambda out: set(json.loads(out)) == {"color", "size"}),
+    "ebnf": ('root ::= "the answer is " ("red" | "blue" | "green") "."', lambda out: out in {f"the answer is {c}." for c in ("red", "blue", "green")}),
+}
+
+
+def _as_span_and_as_ids(llama_dir):
+    ids = ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False)
+    as_span = [text("look:"), span(ref.embed_ids(llama_dir, ids)), text(" answer")]
+    as_ids = [text("look:"), {"type": "input_ids", "input_ids": ids}, text(" answer")]
+    return as_span, as_ids
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+def test_generate_with_a_span_satisfies_the_constraint_like_the_same_ids(llama_server, llama_dir, kind):
+    constraint, satisfied = CONSTRAINTS[kind]
+    as_span, as_ids = _as_span_and_as_ids(llama_dir)
+    sp = {"temperature": 0, "max_new_tokens": 96, kind: constraint}
+    with_span = generate(llama_server, {"input_segments": as_span, "sampling_params": sp})
+    with_ids = generate(llama_server, {"input_segments": as_ids, "sampling_params": sp})
+    assert satisfied(with_span["text"]), with_span["text"]
+    assert with_span["output_ids"] == with_ids["output_ids"]
+    unconstrained = generate(llama_server, {"input_segments": as_span, "sampling_params": {"temperature": 0, "max_new_tokens": 96}})
+    assert unconstrained["text"] != with_span["text"]  # the constraint did something
+
+
+def test_program_gen_with_regex_and_a_span(llama_server, llama_dir):
+    backend = EmbedsEndpoint(llama_server.url)
+    rows = ref.embed_ids(llama_dir, ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False))
+
+    @sgl.function
+    def answer(s, rows):
+        s += "look:" + sgl.embeds(rows) + " answer"
+        s += sgl.gen("out", max_tokens=20, temperature=0, regex="(yes|no), the [a-z]+ [a-z]+")
+
+    state = answer.run(rows=rows, backend=backend)
+    assert re.fullmatch("(yes|no), the [a-z]+ [a-z]+", state["out"]), state["out"]
+    direct = backend.run(input_segments=[seg.Text("look:"), seg.Embeds(rows), seg.Text(" answer")],
+                         sampling_params={"temperature": 0, "max_new_tokens": 20, "regex": "(yes|no), the [a-z]+ [a-z]+"})
+    assert state["out"] == direct["text"]
+
+
+def test_openai_response_format_with_span_parts(llama_server, llama_dir):
+    from sgl_embeds import wire
+
+    client = openai.OpenAI(base_url=llama_server.url + "/v1", api_key="none", max_retries=0)
+    rows = ref.embed_ids(llama_dir, ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False))
+    out = client.chat.completions.create(
+        model="default", max_tokens=96, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "look:"},
+                                               {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)}]}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    assert set(json.loads(out.choices[0].message.content)) == {"color", "size"}, out.choices[0].message.content
