@@ -100,8 +100,6 @@ def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) ->
     cache = getattr(executor.backend, "encoder_cache", None)
     if cache is not None:
         return cache.encode(encoder, image, region)
-    if region is None:
-        return vision.checked_rows(encoder(image))
     return vision.encode_region(image, region, encoder)
 
 

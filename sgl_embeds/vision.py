@@ -26,15 +26,15 @@ import base64
 import hashlib
 import io
 import math
-import threading
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol, Sequence, Union
 
 import numpy as np
 import torch
 from PIL import Image
+
+from sgl_embeds.lru import TensorLRU
 
 # Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
 DEFAULT_MEAN_COLOR = (123, 117, 104)
@@ -126,15 +126,19 @@ def mask_image(image: Image.Image, mask: np.ndarray, fill: Sequence[int]) -> Ima
 
 
 def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
-    """What the encoder sees for ``region`` (a box or a mask, see the module docstring)."""
+    """What the encoder sees for ``region``: a box or a mask (see the module docstring), or None
+    for the whole image."""
+    if region is None:
+        return image
     if is_mask(region):
         return mask_image(image, check_mask(region), getattr(encoder, "mean_color", DEFAULT_MEAN_COLOR))
     return crop(image, region)
 
 
-def encode_region(image: Image.Image, box: Any, encoder: VisionEncoder) -> torch.Tensor:
-    """``encoder`` applied to the box or mask region, checked to be a finite ``[n, hidden]`` tensor."""
-    return checked_rows(encoder(region_image(image, box, encoder)))
+def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> torch.Tensor:
+    """``encoder`` applied to the region (a box, a mask, or None for the whole image), checked to
+    be a finite ``[n, hidden]`` tensor."""
+    return checked_rows(encoder(region_image(image, region, encoder)))
 
 
 def checked_rows(out: Any) -> torch.Tensor:
@@ -153,28 +157,18 @@ class EncoderCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
-        self._items: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._bytes = 0
+        self._lru = TensorLRU(max_bytes)
         self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
-        self._lock = threading.Lock()
 
     def encode(self, encoder: VisionEncoder, image: Image.Image, region: Any = None) -> torch.Tensor:
         key = (self._identity(encoder), image_digest(image), _region_key(region, image))
-        with self._lock:
-            if key in self._items:
-                self.hits += 1
-                self._items.move_to_end(key)
-                return self._items[key]
-            self.misses += 1
-        rows = checked_rows(encoder(image)) if region is None else encode_region(image, region, encoder)
-        nbytes = rows.numel() * rows.element_size()
-        with self._lock:
-            if nbytes <= self.max_bytes and key not in self._items:
-                self._items[key] = rows
-                self._bytes += nbytes
-                while self._bytes > self.max_bytes:
-                    _, old = self._items.popitem(last=False)
-                    self._bytes -= old.numel() * old.element_size()
+        rows = self._lru.get(key)
+        if rows is not None:
+            self.hits += 1
+            return rows
+        self.misses += 1
+        rows = encode_region(image, region, encoder)
+        self._lru.put(key, rows)
         return rows
 
     def _identity(self, encoder: Any) -> Any:
@@ -185,14 +179,12 @@ class EncoderCache:
         return identity
 
     def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-            self._encoders.clear()
+        self._lru.clear()
+        self._encoders.clear()
 
     def stats(self) -> dict:
-        with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "entries": len(self._items), "bytes": self._bytes}
+        entries, size = self._lru.sizes()
+        return {"hits": self.hits, "misses": self.misses, "entries": entries, "bytes": size}
 
 
 def image_digest(image: Image.Image) -> str:
@@ -294,9 +286,14 @@ def _load_safetensors(module: torch.nn.Module, path: str | Path, prefix: str = "
     state = load_file(str(path))
     if prefix and any(k.startswith(prefix) for k in state):
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    load_state(module, state, str(path))
+
+
+def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """``module.load_state_dict(state)``, every mismatch a ``ValueError`` that starts with ``what``."""
     try:
         missing, unexpected = module.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{what}: {e}") from None
     if missing or unexpected:
-        raise ValueError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        raise ValueError(f"{what}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")

@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_embeds"
-SHARED = {"sgl_embeds.segments", "sgl_embeds.wire"}
+SHARED = {"sgl_embeds.segments", "sgl_embeds.wire", "sgl_embeds.lru"}
 CLIENT_PREFIXES = ("sgl_embeds.lang", "sgl_embeds.backend", "sgl_embeds.vision", "sgl_embeds.vlm", "sgl_embeds.demo")
 SERVER_PREFIXES = ("sgl_embeds.srt", "sgl_embeds.cpu")
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from sgl_embeds import wire
+from sgl_embeds.lru import TensorLRU, nbytes
 
 PATH = "/sgl_embeds/spans"
 
@@ -33,46 +32,32 @@ class SpanStore:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self._lru = TensorLRU(budget)
 
     def put(self, t: torch.Tensor) -> str:
         t = t.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.budget:
-            raise ValueError(f"a span of {nbytes} bytes exceeds the handle store's budget of {self.budget} bytes")
+        size = nbytes(t)
+        if size > self.budget:
+            raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of {self.budget} bytes")
         digest = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if nbytes else b"")
+        digest.update(t.view(torch.uint8).numpy().tobytes() if size else b"")
         handle = "span-" + digest.hexdigest()
-        with self._lock:
-            if handle in self._items:
-                self._items.move_to_end(handle)
-                return handle
-            self._items[handle] = t.clone()
-            self._bytes += nbytes
-            while self._bytes > self.budget:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
+        if self._lru.get(handle) is None:  # same rows, same handle: the stored copy is refreshed
+            self._lru.put(handle, t.clone())
         return handle
 
     def get(self, handle: Any) -> torch.Tensor:
-        with self._lock:
-            if not isinstance(handle, str) or handle not in self._items:
-                raise wire.WireError(f"unknown span handle {str(handle)[:80]!r}: never uploaded, deleted, or evicted")
-            self._items.move_to_end(handle)
-            return self._items[handle]
+        t = self._lru.get(handle) if isinstance(handle, str) else None
+        if t is None:
+            raise wire.WireError(f"unknown span handle {str(handle)[:80]!r}: never uploaded, deleted, or evicted")
+        return t
 
     def delete(self, handle: str) -> bool:
-        with self._lock:
-            t = self._items.pop(handle, None)
-            if t is not None:
-                self._bytes -= t.numel() * t.element_size()
-            return t is not None
+        return self._lru.pop(handle) is not None
 
     def stats(self) -> dict:
-        with self._lock:
-            return {"count": len(self._items), "bytes": self._bytes, "budget": self.budget}
+        count, size = self._lru.sizes()
+        return {"count": count, "bytes": size, "budget": self.budget}
 
 
 def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:

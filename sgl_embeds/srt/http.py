@@ -109,11 +109,12 @@ class SpanMiddleware:
             return await self.app(scope, replay, send)
         if not detect(payload):  # a stock body: only its token ids are checked here
             ids = token_ids.stock_ids(path, payload)
-            try:
-                if ids is not None:
-                    token_ids.check_id_lists(ids[1], server_spec().vocab_size, ids[0])
-            except ValueError as e:
-                return await error_response(str(e))(scope, replay, send)
+            if ids is not None:
+                field, value = ids
+                try:
+                    token_ids.check_id_lists(value, server_spec().vocab_size, field)
+                except ValueError as e:
+                    return await error_response(str(e))(scope, replay, send)
             return await self.app(scope, replay, send)
         from starlette.requests import Request
 

@@ -21,6 +21,7 @@ from sgl_embeds import wire
 from sgl_embeds.segments import Ids, Segment, Text
 from sgl_embeds.srt.parse import SPAN_FIELDS, Resolver, max_request_bytes, parse_prompts
 from sgl_embeds.srt.placeholders import placeholder_ids
+from sgl_embeds.srt.token_ids import check_ids
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
                 raise ValueError("this server runs without a tokenizer: send input_ids segments")
             ids.extend(spec.tokenizer.encode(s.text, add_special_tokens=(i == 0 and specials_first)))
         elif isinstance(s, Ids):
-            bad = [t for t in s.ids if t >= spec.vocab_size]
-            if bad:
-                raise ValueError(f"segment {i}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
+            check_ids(s.ids, spec.vocab_size, f"segment {i}: input_ids")
             ids.extend(s.ids)
         else:
             # Values were checked when the span was decoded (or uploaded); here only the width,

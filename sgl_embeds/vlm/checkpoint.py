@@ -58,10 +58,11 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     llm_dir, vision_dir = dst / "llm", dst / "vision"
     for d in (llm_dir, vision_dir):
         d.mkdir(parents=True, exist_ok=True)
-    _write_llm(src, config, arch, weights, llm_keys, llm_dir, log)
-    tower = clip_to_open_clip({k: _tensor(weights, full) for k, full in tower_keys.items()}, vision.tower.layers)
+    tensors = _Tensors(weights)
+    _write_llm(src, config, arch, tensors, llm_keys, llm_dir, log)
+    tower = clip_to_open_clip({k: tensors[full] for k, full in tower_keys.items()}, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
-    state.update({f"projector.{k}": _tensor(weights, full).contiguous() for k, full in projector_keys.items()})
+    state.update({f"projector.{k}": tensors[full].contiguous() for k, full in projector_keys.items()})
     from safetensors.torch import save_file
 
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -121,11 +122,20 @@ def _weight_index(src: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{src} has no model.safetensors or model.safetensors.index.json")
 
 
-def _tensor(weights: dict[str, Path], key: str) -> torch.Tensor:
-    from safetensors import safe_open
+class _Tensors:
+    """Reads tensors by key, opening each safetensors file of the checkpoint once."""
 
-    with safe_open(str(weights[key]), "pt") as f:
-        return f.get_tensor(key)
+    def __init__(self, weights: dict[str, Path]):
+        self.weights = weights
+        self._files: dict[Path, object] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.weights[key]
+        if path not in self._files:
+            self._files[path] = safe_open(str(path), "pt")
+        return self._files[path].get_tensor(key)
 
 
 def _partition(weights: dict[str, Path]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
@@ -221,7 +231,7 @@ def _processor_chat_template(src: Path) -> str | None:
     return None
 
 
-def _write_llm(src: Path, config, arch: str, weights: dict[str, Path], llm_keys: dict[str, str],
+def _write_llm(src: Path, config, arch: str, tensors: _Tensors, llm_keys: dict[str, str],
                out: Path, log: Callable[[str], None]) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -232,7 +242,7 @@ def _write_llm(src: Path, config, arch: str, weights: dict[str, Path], llm_keys:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(llm_keys):
-        t = _tensor(weights, llm_keys[name]).contiguous()
+        t = tensors[llm_keys[name]].contiguous()
         if size and size + t.numel() * t.element_size() > SHARD_BYTES:
             shards.append({})
             size = 0

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from PIL import Image
 
+from sgl_embeds.vision import load_state
 from sgl_embeds.vlm.pixels import ImageProcessing
 
 CONFIG_NAME = "sgl_embeds_vision.json"
@@ -28,20 +29,21 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "sgl_embeds.llava_vision/1"
 
 
-def _activations() -> dict[str, Callable[[], torch.nn.Module]]:
-    from open_clip.transformer import QuickGELU
+def _quick_gelu() -> torch.nn.Module:
+    from open_clip.transformer import QuickGELU  # open_clip only where a tower is built
 
-    return {
-        "quick_gelu": QuickGELU,
-        "gelu": torch.nn.GELU,
-        "gelu_pytorch_tanh": partial(torch.nn.GELU, approximate="tanh"),
-        "gelu_new": partial(torch.nn.GELU, approximate="tanh"),
-        "relu": torch.nn.ReLU,
-        "silu": torch.nn.SiLU,
-    }
+    return QuickGELU()
 
 
-ACTIVATION_NAMES = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "silu")
+# HF activation names (``hidden_act``, ``projector_hidden_act``) -> a module factory.
+ACTIVATIONS: dict[str, Callable[[], torch.nn.Module]] = {
+    "quick_gelu": _quick_gelu,
+    "gelu": torch.nn.GELU,
+    "gelu_pytorch_tanh": partial(torch.nn.GELU, approximate="tanh"),
+    "gelu_new": partial(torch.nn.GELU, approximate="tanh"),
+    "relu": torch.nn.ReLU,
+    "silu": torch.nn.SiLU,
+}
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class VisionConfig:
         if self.select_strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {self.select_strategy!r}")
         for name, act in (("tower activation", self.tower.act), ("projector_hidden_act", self.projector_act)):
-            if act not in ACTIVATION_NAMES:
-                raise ValueError(f"{name} {act!r} is not supported: use one of {list(ACTIVATION_NAMES)}")
+            if act not in ACTIVATIONS:
+                raise ValueError(f"{name} {act!r} is not supported: use one of {list(ACTIVATIONS)}")
         n = self.tower.layers
         for layer in self.feature_layers:
             if not -(n + 1) <= layer <= n:
@@ -121,7 +123,7 @@ def build_tower(geometry: TowerGeometry) -> torch.nn.Module:
     tower = VisionTransformer(
         image_size=geometry.image_size, patch_size=geometry.patch_size, width=geometry.width,
         layers=geometry.layers, heads=geometry.heads, mlp_ratio=geometry.mlp_width / geometry.width,
-        output_dim=geometry.width, act_layer=_activations()[geometry.act],
+        output_dim=geometry.width, act_layer=ACTIVATIONS[geometry.act],
         norm_layer=partial(LayerNorm, eps=geometry.layer_norm_eps),
     )
     built = tower.transformer.resblocks[0].mlp.c_fc.out_features
@@ -138,7 +140,7 @@ class Projector(torch.nn.Module):
         super().__init__()
         width, hidden = config.tower.width * len(config.feature_layers), config.llm_hidden_size
         self.linear_1 = torch.nn.Linear(width, hidden, bias=config.projector_bias)
-        self.act = _activations()[config.projector_act]()
+        self.act = ACTIVATIONS[config.projector_act]()
         self.linear_2 = torch.nn.Linear(hidden, hidden, bias=config.projector_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +202,8 @@ class LlavaEncoder:
         self.identity = identity  # names the weights and settings, for encoder-output caches
         self.tower = build_tower(config.tower)
         self.projector = Projector(config)
-        _load(self.tower, {k[len("tower."):]: v for k, v in weights.items() if k.startswith("tower.")}, "tower")
-        _load(self.projector, {k[len("projector."):]: v for k, v in weights.items() if k.startswith("projector.")}, "projector")
+        load_state(self.tower, {k[len("tower."):]: v for k, v in weights.items() if k.startswith("tower.")}, "tower weights")
+        load_state(self.projector, {k[len("projector."):]: v for k, v in weights.items() if k.startswith("projector.")}, "projector weights")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tower.to(self.device).eval()
         self.projector.to(self.device).eval()
@@ -237,12 +239,6 @@ class LlavaEncoder:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return self.features(self.pixel_values(image).unsqueeze(0))[0].float().cpu()
-
-
-def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{what} weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def load_encoder(vision_dir: str | Path, device: str | torch.device | None = None) -> LlavaEncoder:
