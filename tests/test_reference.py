@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_embeds.testing.reference import NEAR_TIE, Greedy, check_greedy
+from sgl_embeds.testing.reference import FORGIVEN, NEAR_TIE, Greedy, check_greedy
 
 TIE, CLEAR = NEAR_TIE / 10, 1.0
 
@@ -23,6 +23,7 @@ def test_a_runner_up_at_a_near_tie_is_forgiven_once_and_the_rest_is_still_compar
     hf = _scripted({(): Greedy([5, 6, 7, 8], [1, 9, 1, 1], [CLEAR, TIE, CLEAR, CLEAR]),
                     (5, 9): Greedy([3, 4], [1, 1], [CLEAR, CLEAR])})
     assert check_greedy([5, 9, 3, 4], hf) == 1
+    FORGIVEN.clear()  # a second, independent comparison in this test (the per-test limit is one)
     with pytest.raises(AssertionError, match="token 3 differs"):  # after the tie, a clear miss still fails
         check_greedy([5, 9, 3, 0], hf)
 
@@ -50,3 +51,11 @@ def test_different_lengths_fail():
         check_greedy([5, 6, 7], hf)
     with pytest.raises(AssertionError, match="we stopped"):
         check_greedy([5], hf)
+
+
+def test_the_per_test_count_sees_forgiveness_across_sequences():
+    hf = _scripted({(): Greedy([5, 6], [1, 9], [CLEAR, TIE]), (5, 9): Greedy([], [], [])})
+    check_greedy([5, 9], hf, "first: ")
+    check_greedy([5, 9], hf, "second: ")
+    assert FORGIVEN == ["first: token 1", "second: token 1"]  # the conftest fixture would fail this test ...
+    FORGIVEN.clear()  # ... so it is reset here, after the check
