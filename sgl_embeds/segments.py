@@ -35,6 +35,7 @@ class Ids:
 @dataclass
 class Embeds:
     tensor: torch.Tensor  # [n, hidden]
+    handle: str | None = None  # set on the server when it keeps these rows (srt/handles.py)
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
@@ -67,7 +68,7 @@ def has_markers(text: str) -> bool:
     return MARK_OPEN in text
 
 
-def split_at_markers(text: str, table: dict[int, torch.Tensor]) -> Prompt:
+def split_at_markers(text: str, table: dict[int, torch.Tensor | Embeds]) -> Prompt:
     """Text with span markers -> a prompt of text and span segments (empty text dropped)."""
     prompt = Prompt()
     pos = 0
@@ -76,7 +77,8 @@ def split_at_markers(text: str, table: dict[int, torch.Tensor]) -> Prompt:
         key = int(m.group(1))
         if key not in table:
             raise ValueError(f"span marker {key} has no tensor")
-        prompt.append(Embeds(table[key]))
+        span = table[key]
+        prompt.append(span if isinstance(span, Embeds) else Embeds(span))
         pos = m.end()
     prompt.append(Text(text[pos:]))
     return prompt

@@ -47,19 +47,27 @@ def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
     ``fmt="base64"`` gives the binary object (``dtype`` defaults to the tensor's own dtype when it
     is one of float32/float16/bfloat16, else float32); ``fmt="json"`` gives nested float lists.
     """
+    t = as_sent(x, fmt, dtype)
+    if fmt == "json":
+        return t.tolist()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        raw = _byteswap(raw, t.element_size())
+    return {"data": b64.b64encode(raw).decode("ascii"), "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+
+
+def as_sent(x: Any, fmt: str = "base64", dtype: str | None = None) -> torch.Tensor:
+    """The tensor a server decodes from ``encode_tensor(x, fmt, dtype)``: CPU, contiguous, in the
+    wire dtype (float32 for JSON). Its handle (``keys.span_handle``) is the server's."""
     t = as_2d_tensor(x)
     if fmt == "json":
-        return t.to(torch.float32).tolist()
+        return t.detach().to("cpu", torch.float32).contiguous()
     if fmt != "base64":
         raise ValueError(f"unknown wire format {fmt!r}: use 'base64' or 'json'")
     name = dtype or DTYPE_NAMES.get(t.dtype, "float32")
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}: use one of {sorted(DTYPES)}")
-    t = t.detach().to("cpu", DTYPES[name]).contiguous()
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        raw = _byteswap(raw, t.element_size())
-    return {"data": b64.b64encode(raw).decode("ascii"), "dtype": name, "shape": list(t.shape)}
+    return t.detach().to("cpu", DTYPES[name]).contiguous()
 
 
 def as_2d_tensor(x: Any) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.server import Server
+from sgl_embeds.testing.server import Gateway, Server, start_all
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -64,6 +64,25 @@ def demo_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def gateway(llama_dir):
+    """SGLang's gateway (smg, cache-aware policy) in front of two fresh plugin workers: the
+    gateway's ``url`` and its ``workers`` (``Server`` objects), all three stopped by pid."""
+    workers = start_all([Server(llama_dir, extra_args=["--enable-cache-report"]) for _ in range(2)])
+    gw = Gateway([w.url for w in workers])
+    try:
+        gw.start()
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    gw.workers = workers
+    yield gw
+    gw.stop()
+    for w in workers:
+        w.stop()
+
+
 def _split_llava(arch, tmp_path_factory):
     from sgl_embeds.vlm import split
 
@@ -110,5 +129,5 @@ def at_most_one_forgiven_near_tie_per_test():
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if any(name.endswith("_server") for name in getattr(item, "fixturenames", ())):
+        if any(name.endswith("_server") or name == "gateway" for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)

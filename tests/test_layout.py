@@ -3,7 +3,7 @@
 Every import counts, including those inside functions (a lazy import is still a dependency).
 The server side (``srt/``, ``cpu/``) never imports client modules; client modules import from
 the server side only ``srt.targets`` (the one list of SGLang pins, which the frontend's hooks
-use too). Shared modules (``segments``, ``wire``) import neither side.
+use too). Shared modules (``segments``, ``wire``, ``lru``, ``keys``) import neither side.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_embeds"
-SHARED = {"sgl_embeds.segments", "sgl_embeds.wire", "sgl_embeds.lru"}
+SHARED = {"sgl_embeds.segments", "sgl_embeds.wire", "sgl_embeds.lru", "sgl_embeds.keys"}
 CLIENT_PREFIXES = ("sgl_embeds.lang", "sgl_embeds.backend", "sgl_embeds.vision", "sgl_embeds.vlm", "sgl_embeds.demo")
 SERVER_PREFIXES = ("sgl_embeds.srt", "sgl_embeds.cpu")
 

@@ -5,26 +5,39 @@ in bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU eviction); the answer is ``{"handle":
 ...}``. Any place that takes a tensor then also takes ``{"handle": "span-..."}``. Handles are
 content hashes (SHA-256 of dtype, shape and bytes): uploading the same rows twice gives the same
 handle, and a handle cannot be guessed without the rows. ``DELETE /sgl_embeds/spans/<handle>``
-drops one. The store lives in the HTTP process, shared by every client of the server (see
+drops one. A request may also keep the spans it sends inline (``"keep_spans": true``, see
+``parse.py``): behind a gateway, which has no upload route, that is how a worker learns a span.
+A request that names a handle this server does not hold gets ``UnknownSpanHandle`` (HTTP 400,
+``"type": UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span inline. The store lives in the HTTP process, shared by every client of the server (see
 docs/reliability.md for the tenancy model); the ``Engine`` API takes tensors directly instead.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
 import torch
 
 from sgl_embeds import wire
+from sgl_embeds.keys import span_handle
 from sgl_embeds.lru import TensorLRU, nbytes
 
 PATH = "/sgl_embeds/spans"
+UNKNOWN_HANDLE_TYPE = "UnknownSpanHandle"  # the error body's "type" for UnknownSpanHandle
 
 
 def budget_bytes() -> int:
     return int(os.environ.get("SGL_EMBEDS_HANDLE_BYTES", 1 << 30))
+
+
+class UnknownSpanHandle(wire.WireError):
+    """A handle this server does not hold (never sent here, deleted, or evicted)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = str(handle)[:80]
+        super().__init__(f"unknown span handle {self.handle!r}: never uploaded to this server, deleted, "
+                         "or evicted; send the span's rows instead")
 
 
 class SpanStore:
@@ -39,9 +52,7 @@ class SpanStore:
         size = nbytes(t)
         if size > self.budget:
             raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of {self.budget} bytes")
-        digest = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if size else b"")
-        handle = "span-" + digest.hexdigest()
+        handle = span_handle(t)
         if self._lru.get(handle) is None:  # same rows, same handle: the stored copy is refreshed
             self._lru.put(handle, t.clone())
         return handle
@@ -49,7 +60,7 @@ class SpanStore:
     def get(self, handle: Any) -> torch.Tensor:
         t = self._lru.get(handle) if isinstance(handle, str) else None
         if t is None:
-            raise wire.WireError(f"unknown span handle {str(handle)[:80]!r}: never uploaded, deleted, or evicted")
+            raise UnknownSpanHandle(handle)
         return t
 
     def delete(self, handle: str) -> bool:

@@ -39,12 +39,14 @@ def max_body_bytes() -> int:
     return int(os.environ.get("SGL_EMBEDS_MAX_BODY_BYTES", 1 << 30))
 
 
-def error_response(message: str, status: int = 400) -> Any:
+def error_response(message: str, status: int = 400, kind: str = "BadRequestError", param: Any = None) -> Any:
+    """SGLang's error body. A 4xx is the client's fault to a gateway: never retried, and never
+    counted against the worker by its circuit breaker (docs/scaling.md)."""
     from fastapi.responses import ORJSONResponse
 
     return ORJSONResponse(
         status_code=status,
-        content={"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status},
+        content={"object": "error", "message": message, "type": kind, "param": param, "code": status},
     )
 
 
@@ -58,7 +60,7 @@ def server_spec() -> prompts.ModelSpec:
 async def generate_route(body: dict, request: Any, ctx: prompts.RouteContext) -> Any:
     from sglang.srt.entrypoints.http_server import serve_generate_request
 
-    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.resolve, True)  # ValueError -> 400
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.store, True)  # ValueError -> 400
     return await serve_generate_request(obj, request)
 
 
@@ -68,6 +70,9 @@ ROUTES: dict[str, tuple[Detector, Handler]] = {
     "/v1/chat/completions": (openai.chat_has_spans, openai.chat_route),
 }
 INFO_PATH = "/sgl_embeds/info"
+# SGLang's model-info route, which a gateway forwards: its answer also carries ours, so a client
+# finds the plugin (and the hidden size) through a gateway, in the call RuntimeEndpoint makes anyway.
+MODEL_INFO_PATH, MODEL_INFO_KEY = "/get_model_info", "sgl_embeds"
 
 
 def info(store: handles.SpanStore) -> dict:
@@ -95,6 +100,8 @@ class SpanMiddleware:
         path, method = scope.get("path", ""), scope.get("method")
         if scope["type"] == "http" and path.startswith(("/sgl_embeds/", handles.PATH)):
             return await self._own_route(path, method, scope, receive, send)
+        if scope["type"] == "http" and path == MODEL_INFO_PATH and method == "GET":
+            return await self._model_info_with_ours(scope, receive, send)
         route = ROUTES.get(path) if scope["type"] == "http" else None
         if route is None or method not in ("POST", "PUT"):
             return await self.app(scope, receive, send)
@@ -119,7 +126,9 @@ class SpanMiddleware:
         from starlette.requests import Request
 
         try:
-            response = await handler(payload, Request(scope, replay), prompts.RouteContext(server_spec(), self.store.get))
+            response = await handler(payload, Request(scope, replay), prompts.RouteContext(server_spec(), self.store))
+        except handles.UnknownSpanHandle as e:  # machine-readable: the client resends the rows
+            response = error_response(str(e), kind=handles.UNKNOWN_HANDLE_TYPE, param=e.handle)
         except ValueError as e:
             response = error_response(str(e))
         if isinstance(response, openai.StockRequest):
@@ -133,6 +142,26 @@ class SpanMiddleware:
         scope = _with_length(scope, len(raw))
         scope.setdefault("state", {})[openai.ROWS_STATE_KEY] = stock.rows
         await self.app(scope, _replay(raw, receive), send)
+
+    async def _model_info_with_ours(self, scope: dict, receive: Callable, send: Callable) -> None:
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def keep(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, keep)
+        body = b"".join(chunks)
+        payload = _parse_json(body) if start.get("status") == 200 else None
+        if isinstance(payload, dict):
+            payload[MODEL_INFO_KEY] = info(self.store)
+            body = orjson.dumps(payload)
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _own_route(self, path: str, method: str, scope: dict, receive: Callable, send: Callable) -> None:
         """``GET /sgl_embeds/info``, ``POST /sgl_embeds/spans``, ``DELETE /sgl_embeds/spans/<handle>``."""

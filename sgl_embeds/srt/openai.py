@@ -3,10 +3,11 @@
 Extension fields (send them with the official client through ``extra_body``):
 
 * ``/v1/completions``: ``input_embeds`` (the whole prompt) or ``input_segments`` (interleaved),
-  with ``prompt`` left empty (``""``);
+  with ``prompt`` left empty (``""``) or holding a gateway routing hint (``keys.routing_text``);
 * ``/v1/chat/completions``: a content part ``{"type": "input_embeds", "input_embeds": <tensor>}``
   in any message, mixed with text parts; or a top-level ``input_embeds`` (the whole prompt, no
-  template).
+  template). A text part holding a routing hint is dropped.
+* ``keep_spans`` (both routes): keep the inline spans by handle (``handles.py``).
 
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
 rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
@@ -25,7 +26,9 @@ from typing import Any, Callable
 
 from sgl_embeds import segments as seg
 from sgl_embeds import wire
+from sgl_embeds.keys import is_routing_text
 from sgl_embeds.srt import parse, prompts
+from sgl_embeds.srt.handles import SpanStore, UnknownSpanHandle
 
 PART_TYPE = "input_embeds"
 ROWS_STATE_KEY = "sgl_embeds_rows"  # where the span rows wait on the request's state
@@ -39,11 +42,11 @@ class StockRequest:
     rows: Any
 
 
-def completions_body(body: dict, spec: prompts.ModelSpec, resolve: parse.Resolver | None = None) -> StockRequest:
+def completions_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = None) -> StockRequest:
     """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
-    if body.get("prompt") not in (None, "", []):
-        raise ValueError("prompt must be empty when input_embeds or input_segments is given")
-    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_request_bytes(), resolve)
+    if body.get("prompt") not in (None, "", []) and not is_routing_text(body["prompt"]):
+        raise ValueError("prompt must be empty (or a gateway routing hint) when input_embeds or input_segments is given")
+    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_request_bytes(), store)
     if is_batch:
         raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
     ids, overrides = prompts.build_ids(parsed[0], spec)
@@ -63,17 +66,18 @@ def chat_has_spans(body: dict) -> bool:
     return False
 
 
-def chat_body(body: dict, spec: prompts.ModelSpec, resolve: parse.Resolver | None = None) -> StockRequest:
+def chat_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = None) -> StockRequest:
     """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the span rows to attach."""
-    out = {k: v for k, v in body.items() if k != "input_embeds"}
+    out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
+    keep = parse.keep_spans(body, store)
     if body.get("input_embeds") is not None:
-        tensor = parse.decode_span(body["input_embeds"], parse.max_request_bytes(), resolve)
-        ids, overrides = prompts.build_ids([seg.Embeds(tensor)], spec)
+        span = parse.decode_span(body["input_embeds"], parse.max_request_bytes(), store, keep)
+        ids, overrides = prompts.build_ids([span], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
         out["input_ids"] = ids
         return StockRequest(out, overrides)
-    tensors: list = []
+    spans: list[seg.Embeds] = []
     budget = parse.max_request_bytes()
     messages = []
     for i, m in enumerate(body["messages"]):
@@ -85,21 +89,24 @@ def chat_body(body: dict, spec: prompts.ModelSpec, resolve: parse.Resolver | Non
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                text.append(str(part.get("text", "")))
+                if not is_routing_text(part.get("text")):
+                    text.append(str(part.get("text", "")))
             elif kind == PART_TYPE:
                 try:
-                    t = parse.decode_span(part.get(PART_TYPE), budget, resolve)
+                    span = parse.decode_span(part.get(PART_TYPE), budget, store, keep)
+                except UnknownSpanHandle:
+                    raise
                 except wire.WireError as e:
                     raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
-                budget -= t.numel() * 4
-                text.append(seg.marker(len(tensors)))
-                tensors.append(t)
+                budget -= span.tensor.numel() * 4
+                text.append(seg.marker(len(spans)))
+                spans.append(span)
             else:
                 raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be 'text' or "
                                  f"'{PART_TYPE}', got {kind!r}")
         messages.append({**m, "content": "".join(text)})
     rendered = render_chat(spec.tokenizer, messages, body)
-    ids, overrides = prompts.build_ids(_spans_of_rendered_chat(rendered, tensors), spec, specials_first=False)
+    ids, overrides = prompts.build_ids(_spans_of_rendered_chat(rendered, spans), spec, specials_first=False)
     out["messages"] = [{**m, "content": seg.strip_markers(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
     out["input_ids"] = ids
     return StockRequest(out, overrides)
@@ -113,19 +120,19 @@ def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
         raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
-def _spans_of_rendered_chat(text: str, tensors: list) -> list[seg.Segment]:
-    prompt = seg.split_at_markers(text, dict(enumerate(tensors)))
-    if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(tensors):
+def _spans_of_rendered_chat(text: str, spans: list[seg.Embeds]) -> list[seg.Segment]:
+    prompt = seg.split_at_markers(text, dict(enumerate(spans)))
+    if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(spans):
         raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
     return prompt.segments
 
 
 async def completions_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
-    return await asyncio.to_thread(completions_body, body, ctx.spec, ctx.resolve)
+    return await asyncio.to_thread(completions_body, body, ctx.spec, ctx.store)
 
 
 async def chat_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
-    return await asyncio.to_thread(chat_body, body, ctx.spec, ctx.resolve)
+    return await asyncio.to_thread(chat_body, body, ctx.spec, ctx.store)
 
 
 def generate_request(original: Callable, self: Any, obj: Any, request: Any = None) -> Any:

@@ -3,23 +3,24 @@
 The span fields of a request body are ``input_segments`` (a list of wire segments, or a list of
 such lists for a batch) and ``input_embeds`` (one wire tensor for the whole prompt, or a list of
 them). Each tensor is decoded and checked here, once (``wire.decode_tensor``); a
-``{"handle": ...}`` in its place is looked up with the route's ``Resolver``. Shapes are checked
-against the model later, in ``prompts.build_ids``. Every error is a ``ValueError`` (HTTP 400).
+``{"handle": ...}`` in its place is looked up in the server's span store, and with
+``"keep_spans": true`` every span sent inline is kept there under its handle. A ``text`` (or, on
+``/v1/completions``, a ``prompt``) that is a gateway routing hint (``keys.routing_text``) is
+dropped. Shapes are checked against the model later, in ``prompts.build_ids``. Every error is a
+``ValueError`` (HTTP 400).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from sgl_embeds import wire
+from sgl_embeds.keys import is_routing_text
 from sgl_embeds.segments import Embeds, Ids, Segment, Text
+from sgl_embeds.srt.handles import SpanStore, UnknownSpanHandle
 
-SPAN_FIELDS = ("input_segments", "input_embeds")
-# Looks up an uploaded span by its handle (``handles.SpanStore.get``); HTTP only.
-Resolver = Callable[[Any], torch.Tensor]
+SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
 
 
 def max_request_bytes() -> int:
@@ -31,18 +32,30 @@ def has_span_fields(body: dict) -> bool:
     return body.get("input_segments") is not None or body.get("input_embeds") is not None
 
 
-def decode_span(obj: Any, max_bytes: int, resolve: Resolver | None = None) -> torch.Tensor:
-    """A wire tensor, or ``{"handle": ...}`` looked up with ``resolve``."""
+def keep_spans(body: dict, store: SpanStore | None) -> bool:
+    """Whether the request asks to keep its inline spans (``"keep_spans": true``)."""
+    keep = body.get("keep_spans", False)
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep_spans must be true or false, got {keep!r}")
+    if keep and store is None:
+        raise ValueError("keep_spans is accepted only by the HTTP server (it keeps spans by handle)")
+    return keep
+
+
+def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, keep: bool = False) -> Embeds:
+    """A wire tensor (kept in ``store`` if ``keep``), or ``{"handle": ...}`` looked up there."""
     if isinstance(obj, dict) and "handle" in obj:
-        if resolve is None:
+        if store is None:
             raise wire.WireError("span handles are accepted only by the HTTP server")
         if len(obj) != 1:
             raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
-        return resolve(obj["handle"])
-    return wire.decode_tensor(obj, max_bytes)
+        return Embeds(store.get(obj["handle"]), obj["handle"])
+    t = wire.decode_tensor(obj, max_bytes)
+    return Embeds(t, store.put(t) if keep else None)
 
 
-def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, resolve: Resolver | None = None) -> list[Segment]:
+def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, store: SpanStore | None = None,
+                       keep: bool = False) -> list[Segment]:
     """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
     if not isinstance(items, list) or not items:
         raise wire.WireError("input_segments must be a non-empty list of segment objects")
@@ -67,36 +80,41 @@ def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, reso
             if "embeds" not in item:
                 raise wire.WireError(f"segment {i}: an embeds segment needs an 'embeds' field")
             try:
-                t = decode_span(item["embeds"], budget, resolve)
+                span = decode_span(item["embeds"], budget, store, keep)
+            except UnknownSpanHandle:
+                raise
             except wire.WireError as e:
                 raise wire.WireError(f"segment {i}: {e}") from None
-            budget -= t.numel() * 4
-            out.append(Embeds(t))
+            budget -= span.tensor.numel() * 4
+            out.append(span)
         else:
             raise wire.WireError(f"segment {i}: unknown type {kind!r} (use text, input_ids or embeds)")
     return out
 
 
-def parse_prompts(body: dict, max_bytes: int, resolve: Resolver | None = None) -> tuple[list[list[Segment]], bool]:
+def parse_prompts(body: dict, max_bytes: int, store: SpanStore | None = None) -> tuple[list[list[Segment]], bool]:
     """The span prompts of a request body: (one segment list per prompt, is_batch)."""
     if body.get("input_segments") is not None and body.get("input_embeds") is not None:
         raise ValueError("give either input_segments or input_embeds, not both")
-    for other in ("text", "input_ids"):
-        if body.get(other) is not None:
-            raise ValueError(f"{other} cannot be combined with input_segments/input_embeds: "
-                             "put the text or ids in input_segments instead")
+    if body.get("text") is not None and not is_routing_text(body["text"]):
+        raise ValueError("text cannot be combined with input_segments/input_embeds (except a gateway "
+                         "routing hint, see sgl_embeds.keys): put the text in input_segments instead")
+    if body.get("input_ids") is not None:
+        raise ValueError("input_ids cannot be combined with input_segments/input_embeds: "
+                         "put the ids in input_segments instead")
     if body.get("session_params") is not None:
         # A session request is rebuilt in the scheduler from the session's history, without the
         # span rows: the spans would be lost. One span prompt holding the whole conversation
         # gets the same reuse from the radix cache.
         raise ValueError("span prompts cannot continue a session (session_params): send the whole "
                          "conversation as one span prompt; the prefix cache reuses the earlier turns")
+    keep = keep_spans(body, store)
     if body.get("input_segments") is not None:
         items = body["input_segments"]
         if isinstance(items, list) and items and isinstance(items[0], list):
-            return [segments_from_wire(p, max_bytes, resolve) for p in items], True
-        return [segments_from_wire(items, max_bytes, resolve)], False
+            return [segments_from_wire(p, max_bytes, store, keep) for p in items], True
+        return [segments_from_wire(items, max_bytes, store, keep)], False
     embeds = body["input_embeds"]
     if wire.is_tensor_batch(embeds):
-        return [[Embeds(decode_span(e, max_bytes, resolve))] for e in embeds], True
-    return [[Embeds(decode_span(embeds, max_bytes, resolve))]], False
+        return [[decode_span(e, max_bytes, store, keep)] for e in embeds], True
+    return [[decode_span(embeds, max_bytes, store, keep)]], False

@@ -19,7 +19,8 @@ import torch
 
 from sgl_embeds import wire
 from sgl_embeds.segments import Ids, Segment, Text
-from sgl_embeds.srt.parse import SPAN_FIELDS, Resolver, max_request_bytes, parse_prompts
+from sgl_embeds.srt.handles import SpanStore
+from sgl_embeds.srt.parse import SPAN_FIELDS, max_request_bytes, parse_prompts
 from sgl_embeds.srt.placeholders import placeholder_ids
 from sgl_embeds.srt.token_ids import check_ids
 
@@ -45,7 +46,7 @@ class RouteContext:
     """What an HTTP route handler needs from the server (given to it by the middleware)."""
 
     spec: ModelSpec  # the served model
-    resolve: Resolver  # span handle -> rows
+    store: SpanStore  # spans kept by handle
 
 
 def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
@@ -76,7 +77,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
             if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
                 raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
             positions.extend(range(len(ids), len(ids) + t.shape[0]))
-            ids.extend(placeholder_ids(t))
+            ids.extend(placeholder_ids(t, s.handle))
             rows.append(t)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
@@ -87,12 +88,12 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
     return ids, overrides
 
 
-def to_generate_kwargs(body: dict, spec: ModelSpec, resolve: Resolver | None = None) -> dict:
+def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:
     """Replace the span fields of a ``/generate``-shaped body by ``input_ids`` and
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
-    prompts, is_batch = parse_prompts(body, max_request_bytes(), resolve)
+    prompts, is_batch = parse_prompts(body, max_request_bytes(), store)
     built = [build_ids(p, spec) for p in prompts]
-    out = {k: v for k, v in body.items() if k not in SPAN_FIELDS}
+    out = {k: v for k, v in body.items() if k not in SPAN_FIELDS and k != "text"}  # text: a routing hint
     if is_batch:
         out["input_ids"] = [ids for ids, _ in built]
         overrides = [pe for _, pe in built]
@@ -109,7 +110,7 @@ def _parallel_samples(sampling_params: Any) -> int:
     return n if isinstance(n, int) and n > 1 else 1
 
 
-def make_generate_req(body: dict, spec: ModelSpec, resolve: Resolver | None = None, ignore_unknown: bool = False):
+def make_generate_req(body: dict, spec: ModelSpec, store: SpanStore | None = None, ignore_unknown: bool = False):
     """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field.
 
     ``ignore_unknown`` (HTTP): fields ``GenerateReqInput`` does not have are dropped, as stock
@@ -119,7 +120,7 @@ def make_generate_req(body: dict, spec: ModelSpec, resolve: Resolver | None = No
 
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    kwargs = to_generate_kwargs(body, spec, resolve)
+    kwargs = to_generate_kwargs(body, spec, store)
     if ignore_unknown:
         known = {f.name for f in dataclasses.fields(GenerateReqInput)}
         kwargs = {k: v for k, v in kwargs.items() if k in known}

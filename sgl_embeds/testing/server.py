@@ -166,6 +166,84 @@ class Server:
         return requests.post(self.url + "/generate", json=body, timeout=timeout)
 
 
+def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[Server]:
+    """Start several servers at once (their startups overlap); all stopped if one fails."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(s.start, timeout) for s in servers]
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        for s in servers:
+            s.stop()
+        raise next(e for e in errors if e)
+    return servers
+
+
+def smg_binary() -> str:
+    """The gateway's binary, installed into this environment by scripts/setup.sh."""
+    path = Path(sys.executable).parent / "smg"
+    if not path.exists():
+        raise ServerStartError(f"no smg at {path}: run `make setup` (requirements/dev.txt pins it)")
+    return str(path)
+
+
+@dataclass
+class Gateway:
+    """SGLang's model gateway (``smg launch``) on 127.0.0.1 in front of ``worker_urls``, stopped by
+    its own pid. ``args``: the launch flags after the workers (policy, retries, breaker)."""
+
+    worker_urls: list[str]
+    args: list[str] = field(default_factory=lambda: ["--policy", "cache_aware"])
+    port: int = 0
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+    workers: list[Server] = field(default_factory=list)  # set by whoever started them
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "Gateway":
+        self.port = self.port or free_port()
+        fd, name = tempfile.mkstemp(prefix=f"smg-{self.port}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        # its metrics server would bind 0.0.0.0:29000 by default: loopback, on a free port
+        cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--worker-urls", *self.worker_urls, *self.args]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"smg exited with code {self.proc.returncode}\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            if len(self.healthy_workers()) == len(self.worker_urls):
+                return self
+            time.sleep(0.3)
+        self.stop()
+        raise ServerStartError(f"smg did not see {len(self.worker_urls)} healthy workers in {timeout:.0f} s")
+
+    def healthy_workers(self) -> list[str]:
+        """URLs of the workers the gateway routes to now."""
+        try:
+            workers = requests.get(self.url + "/workers", timeout=2).json()["workers"]
+        except (requests.RequestException, ValueError, KeyError):
+            return []
+        return [w["url"] for w in workers if w.get("is_healthy")]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
     """An in-process ``sglang.Engine`` with the same launch defaults."""
     os.environ.update({k: v for k, v in cpu_env().items() if k.startswith(("SGLANG_", "HF_", "TRANSFORMERS_"))})
