@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.server import Gateway, Server, start_all
+from sgl_embeds.testing.server import Gateway, Server, free_port, start_all
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -44,7 +44,12 @@ def llama_server(llama_dir):
 
 @pytest.fixture(scope="session")
 def qwen_server(qwen_dir):
-    server = _serve(qwen_dir)
+    """Also publishes metrics and radix-cache events (ZMQ on loopback, ``kv_events_port``):
+    tests/test_compat_metrics.py reads them."""
+    port = free_port()
+    events = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:%d", "bind": true, "topic": "kv"}' % port
+    server = _serve(qwen_dir, ["--enable-metrics", "--enable-cache-report", "--kv-events-config", events])
+    server.kv_events_port = port
     yield server
     server.stop()
 

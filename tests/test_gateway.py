@@ -93,15 +93,20 @@ def test_openai_routes_through_the_gateway_equal_direct(gateway):
         chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
             {"role": "user", "content": [{"type": "text", "text": "Describe "},
                                          {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)}]}])
+        hinted = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Describe "},
+                                         {"type": "text", "text": keys.routing_text([Embeds(rows)])},
+                                         {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)}]}])
         whole = client.chat.completions.create(model=model, max_tokens=6, temperature=0,
                                                messages=[{"role": "user", "content": hint}],
                                                extra_body={"input_embeds": wire.encode_tensor(rows)})
         results.append([(r.choices[0].text if hasattr(r.choices[0], "text") else r.choices[0].message.content,
-                         r.usage.prompt_tokens) for r in (completion, chat, whole)])
+                         r.usage.prompt_tokens) for r in (completion, chat, hinted, whole)])
     assert results[0] == results[1]
     same_prompt = _ok(gateway.workers[0].url, body([text("Describe "), span(rows)], 1))["meta_info"]["prompt_tokens"]
     assert results[0][0][1] == same_prompt  # the hint in prompt was not tokenized into the prompt
-    assert results[0][2][1] == len(rows)  # the whole prompt is the span: the message text was only a hint
+    assert results[0][2] == results[0][1]  # a hint part is dropped: the same prompt as without it
+    assert results[0][3][1] == len(rows)  # the whole prompt is the span: the message text was only a hint
     assert len({r[0] for r in results[0]}) >= 2  # different prompts, different answers
 
 

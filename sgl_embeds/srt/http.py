@@ -85,7 +85,8 @@ def info(store: handles.SpanStore) -> dict:
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
         "max_span_bytes": parse.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
-        "span_store": store.stats(),
+        "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
+        "http_worker_pid": os.getpid(),
     }
 
 
@@ -240,8 +241,35 @@ def install(app: Any) -> None:
     logger.info("sgl_embeds: span prompts enabled on %s", ", ".join(sorted(ROUTES)))
 
 
-def before_launch_server(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook of ``http_server.launch_server``: install the middleware on SGLang's app."""
+# Multi-tokenizer mode (``--tokenizer-worker-num N > 1``): SGLang serves HTTP from N worker
+# processes that import the app by its path (``SGLANG_HTTP_SERVER_APP_PATH``), not the object the
+# main process holds. Pointing that path here makes each worker load the plugin and install the
+# middleware on its own copy of the app.
+WORKER_APP_PATH = f"{__name__}:worker_app"
+_STOCK_APP_PATH = "sglang.srt.entrypoints.http_server:app"
+
+
+def before_launch_server(server_args: Any = None, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``http_server.launch_server``: install the middleware on SGLang's app, and
+    in multi-tokenizer mode on the app of every HTTP worker process."""
     from sglang.srt.entrypoints.http_server import app
 
     install(app)
+    if getattr(server_args, "tokenizer_worker_num", 1) > 1:
+        current = os.environ.get("SGLANG_HTTP_SERVER_APP_PATH", _STOCK_APP_PATH)
+        if current != _STOCK_APP_PATH:
+            logger.warning("sgl_embeds: SGLANG_HTTP_SERVER_APP_PATH=%s is not SGLang's app: span prompts "
+                           "are not enabled in its tokenizer workers", current)
+        else:
+            os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = WORKER_APP_PATH
+
+
+def __getattr__(name: str) -> Any:
+    if name == "worker_app":  # imported by each multi-tokenizer HTTP worker
+        from sglang.srt.entrypoints.http_server import app
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()  # our hooks in this process too (the OpenAI routes' generate_request)
+        install(app)
+        return app
+    raise AttributeError(name)

@@ -21,6 +21,8 @@ from sgl_embeds.segments import Embeds, Ids, Segment, Text
 from sgl_embeds.srt.handles import SpanStore, UnknownSpanHandle
 
 SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
+# Server-side media a multimodal model expands into its own tokens; not combined with spans.
+MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 
 
 def max_request_bytes() -> int:
@@ -108,6 +110,12 @@ def parse_prompts(body: dict, max_bytes: int, store: SpanStore | None = None) ->
         # gets the same reuse from the radix cache.
         raise ValueError("span prompts cannot continue a session (session_params): send the whole "
                          "conversation as one span prompt; the prefix cache reuses the earlier turns")
+    for media in MEDIA_FIELDS:
+        if body.get(media) is not None:
+            # The multimodal processor rewrites the prompt's ids around its media tokens, which
+            # the span rows' positions would not follow (docs/engine.md).
+            raise ValueError(f"span prompts cannot be combined with {media}: encode the media into a span "
+                             "client-side (sgl.image / sgl.region with a vision encoder) instead")
     keep = keep_spans(body, store)
     if body.get("input_segments") is not None:
         items = body["input_segments"]

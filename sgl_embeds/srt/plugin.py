@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from typing import Any, Callable
 
 from sgl_embeds.srt import targets
@@ -28,12 +29,13 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
         targets.REQ_NEXT_ROUND_INPUT: (HookType.AROUND, scheduler.req_init_next_round_input),
         targets.PREPARE_FOR_EXTEND: (HookType.AROUND, scheduler.prepare_for_extend),
-        targets.SDPA_FORWARD_EXTEND: (HookType.AROUND, attention.sdpa_forward_extend),
         targets.ADD_LOGPROB_TO_META_INFO: (HookType.AROUND, logprobs.add_logprob_to_meta_info),
         targets.GENERATE_REQUEST: (HookType.AROUND, openai.generate_request),
         targets.ENGINE_GENERATE: (HookType.AROUND, engine.generate),
         targets.ENGINE_ASYNC_GENERATE: (HookType.AROUND, engine.async_generate),
     }
+    if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
+        table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)
     if http:
         from sgl_embeds.srt import http as http_side
 

@@ -1,0 +1,158 @@
+"""A cached span vs cached text: questions after a prefix of N positions that the server has cached.
+
+One plugin server (demo model, float32). The prefix is N token ids drawn at random from the
+vocabulary; the span is those tokens' own embedding rows, so both prefixes are the same to the
+model. Every request asks a new question (about 12 text tokens) after the prefix and generates
+one token, so its time is its time to first token with the prefix cached. Sides, interleaved
+request by request (order rotated every round):
+
+* ``text ids``: ``{"input_ids": prefix + question}`` over the same HTTP client as the span sides
+  (``sglang.utils.http_request``): the baseline every ratio divides by;
+* ``span inline``: ``input_segments`` with the rows as base64 every time (raw HTTP);
+* ``span by handle``: the rows uploaded once (``POST /sgl_embeds/spans``), then ``{"handle": ...}``;
+* ``EmbedsEndpoint.run``: the client as a user calls it (inline on the first call, by handle after);
+* ``program``: an ``@sgl.function`` with ``sgl.embeds(rows)`` and ``sgl.gen`` on ``EmbedsEndpoint``.
+
+A second table times the per-request pieces of an inline span in this process (client encode,
+body JSON, server decode + validation, placeholder hashing, handle hashing, and pickling the rows
+as the HTTP process does to hand them to the scheduler).
+
+    python benchmarks/bench_cached_span_vs_text.py [--sizes 256,1024,4096] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import subprocess
+import time
+
+import orjson
+import sglang as sgl
+import torch
+from sglang.utils import http_request
+
+import sgl_embeds  # noqa: F401
+from common import demo_dir, embedding_table, machine, p50, save, server, table, tokenizer
+from sgl_embeds import keys, wire
+from sgl_embeds.backend import EmbedsEndpoint, SentSpans
+from sgl_embeds.segments import Embeds, Ids
+from sgl_embeds.srt.placeholders import placeholder_ids
+
+SIDES = ["text ids", "span inline", "span by handle", "EmbedsEndpoint.run", "program"]
+
+
+@sgl.function
+def ask(s, rows, question):
+    s += sgl.embeds(rows)
+    s += question
+    s += sgl.gen("answer", max_tokens=1, temperature=0)
+
+
+def _generate(url: str, body: dict) -> dict:
+    res = http_request(url + "/generate", json=body)
+    if res.status_code != 200:
+        raise RuntimeError(res.json())
+    return res.json()
+
+
+def measure(url: str, tok, prefix_ids: list[int], rows: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    greedy = {"temperature": 0, "max_new_tokens": 1}
+    handle = http_request(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}).json()["handle"]
+    client = EmbedsEndpoint(url)
+
+    def question(i: int) -> list[int]:
+        return tok.encode(f" Question {i}: what does part {i} show?", add_special_tokens=False)
+
+    def question_text(i: int) -> str:
+        return f" Question {i}: what does part {i} show?"
+
+    def call(side: str, i: int) -> None:
+        q = question(i)
+        if side == "text ids":
+            _generate(url, {"input_ids": prefix_ids + q, "sampling_params": greedy})
+        elif side == "span inline":
+            _generate(url, {"input_segments": [{"type": "embeds", "embeds": wire.encode_tensor(rows)},
+                                               {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
+        elif side == "span by handle":
+            _generate(url, {"input_segments": [{"type": "embeds", "embeds": {"handle": handle}},
+                                               {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
+        elif side == "EmbedsEndpoint.run":
+            client.run(input_segments=[Embeds(rows), Ids(q)], sampling_params=greedy)
+        else:
+            ask.run(rows=rows, question=question_text(i), backend=client)["answer"]  # waits for it
+
+    for side in SIDES:  # warm: each side's prefix is cached (and the client has sent the span once)
+        call(side, -1)
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    for r in range(rounds):
+        order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
+        for side in order:
+            t0 = time.perf_counter()
+            call(side, r * len(SIDES) + SIDES.index(side))
+            times[side].append(time.perf_counter() - t0)
+    return times
+
+
+def pieces(rows: torch.Tensor) -> dict[str, float]:
+    """Milliseconds per request for the parts of an inline span, medians of 5, in this process."""
+    def ms(fn) -> float:
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1000)
+        return p50(samples)
+
+    encoded = wire.encode_tensor(rows)
+    body = orjson.dumps({"input_segments": [{"type": "embeds", "embeds": encoded}]})
+    decoded = wire.decode_tensor(encoded)
+    return {
+        "client: wire.encode_tensor (base64)": ms(lambda: wire.encode_tensor(rows)),
+        "client: keys.span_handle (SHA-256, first send only)": ms(lambda: keys.span_handle(rows)),
+        "client: SentSpans key (xxh3, every send)": ms(lambda: SentSpans.key(rows)),
+        "server: parse body JSON": ms(lambda: orjson.loads(body)),
+        "server: wire.decode_tensor (base64 + checks)": ms(lambda: wire.decode_tensor(encoded)),
+        "server: placeholder ids (blake2b per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),
+        "server: pickle the rows to the scheduler": ms(lambda: pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="256,1024,4096")
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tok, table_ = tokenizer(demo_dir()), embedding_table(demo_dir())
+    gen = torch.Generator().manual_seed(0)
+    results, profile = {}, {}
+    with server(demo_dir(), True, ["--enable-cache-report"]) as s:
+        for n in sizes:
+            prefix_ids = torch.randint(1000, len(table_) - 1000, (n,), generator=gen).tolist()
+            rows = table_[prefix_ids].contiguous()
+            results[n] = measure(s.url, tok, prefix_ids, rows, args.rounds)
+            profile[n] = pieces(rows)
+    out_rows = []
+    for n in sizes:
+        base = p50(results[n]["text ids"])
+        for side in SIDES:
+            t = p50(results[n][side])
+            out_rows.append([n, side, t * 1000, t / base])
+    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_cached_span_vs_text.py "
+              f"--sizes {args.sizes} --rounds {args.rounds}\nSmolLM2-135M-Instruct float32, one plugin server; "
+              f"every request: cached prefix of N positions + a new ~12-token question, 1 new token; "
+              f"{args.rounds} requests per side and size, interleaved; ratio = side / text ids (same N)")
+    text = header + table("TTFT after a cached prefix: span vs the same prefix as text ids",
+                          ["N", "side", "TTFT p50 (ms)", "ratio vs text ids"], out_rows)
+    prof_rows = [[n, k, v] for n in sizes for k, v in profile[n].items()]
+    text += "\n" + table("Per-request pieces of an inline span (ms, median of 5, in the benchmark's process)",
+                         ["N", "piece", "ms"], prof_rows)
+    save("cached_span_vs_text", {"commit": commit, "machine": machine(), "rounds": args.rounds,
+                                 "results": {str(k): v for k, v in results.items()},
+                                 "profile": {str(k): v for k, v in profile.items()}}, text)
+
+
+if __name__ == "__main__":
+    main()
