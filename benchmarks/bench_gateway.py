@@ -4,7 +4,9 @@ Both sides are the same two plugin workers (demo model, float32) and the same cl
 (``EmbedsEndpoint``: base64 rows, handles for spans sent before, the routing hint in ``text``);
 only the gateway's ``--policy`` differs: ``cache_aware`` or ``round_robin``. Per side and round:
 16 fresh 256-row spans (rows of the model's own embedding table), 4 questions about each, asked
-in interleaved order (all spans' first question, then all second ones, ...), one new token each,
+in interleaved order (every span's first question, then every span's second one, ..., each pass
+in a shuffled order, the same shuffles for both sides: with a fixed order round-robin would send
+each span back to the same worker by accident), one new token each,
 so a request's time is its time to first token. Before each side runs, both workers' caches are
 flushed and the client is new. Sides alternate A/B, B/A over the rounds. Reported over questions
 2-4 of every span: the share whose ``cached_tokens`` cover the span, and TTFT p50.
@@ -31,13 +33,13 @@ SPANS, QUESTIONS = 16, 4
 POLICIES = {"cache-aware, sees spans": "cache_aware", "round-robin": "round_robin"}
 
 
-def run_side(gateway: Gateway, workers: list[Server], spans: list[torch.Tensor]) -> dict:
+def run_side(gateway: Gateway, workers: list[Server], spans: list[torch.Tensor], orders: list[list[int]]) -> dict:
     for w in workers:
         requests.post(w.url + "/flush_cache", timeout=60).raise_for_status()
     client = EmbedsEndpoint(gateway.url)
     hits, ttft = [], []
     for q in range(QUESTIONS):
-        for rows in spans:
+        for rows in (spans[i] for i in orders[q]):
             t0 = time.perf_counter()
             out = client.run(input_segments=[Text("Look at this:"), Embeds(rows), Text(f" Question {q}: what is it?")],
                              sampling_params={"temperature": 0, "max_new_tokens": 1})
@@ -66,7 +68,9 @@ def main() -> None:
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:
                 spans = [table_rows[torch.randint(len(table_rows), (args.rows,), generator=gen)] for _ in range(SPANS)]
-                side = run_side(gateways[name], workers, spans)
+                orders = [torch.randperm(SPANS, generator=torch.Generator().manual_seed(r * 10 + q)).tolist()
+                          for q in range(QUESTIONS)]
+                side = run_side(gateways[name], workers, spans, orders)
                 for k in side:
                     results[name][k].extend(side[k])
     finally:
