@@ -1,8 +1,11 @@
 """Two workers behind SGLang's gateway (smg): cache-aware routing that sees spans vs round-robin.
 
 Both sides are the same two plugin workers (demo model, float32) and the same client
-(``EmbedsEndpoint``: base64 rows, handles for spans sent before, the routing hint in ``text``);
-only the gateway's ``--policy`` differs: ``cache_aware`` or ``round_robin``. Per side and round:
+(``EmbedsEndpoint`` with ``span_handles=False``: base64 rows inline every time, the routing hint in
+``text``); only the gateway's ``--policy`` differs: ``cache_aware`` or ``round_robin``. (With
+handles, a round-robin request that reaches the worker without the span is refused and resent,
+and with two workers the resend lands on the other one, which holds it: every repeat then hits,
+at the price of a second round trip, and the comparison would measure that instead of routing.) Per side and round:
 16 fresh 256-row spans (rows of the model's own embedding table), 4 questions about each, asked
 in interleaved order (every span's first question, then every span's second one, ..., each pass
 in a shuffled order, the same shuffles for both sides: with a fixed order round-robin would send
@@ -36,7 +39,7 @@ POLICIES = {"cache-aware, sees spans": "cache_aware", "round-robin": "round_robi
 def run_side(gateway: Gateway, workers: list[Server], spans: list[torch.Tensor], orders: list[list[int]]) -> dict:
     for w in workers:
         requests.post(w.url + "/flush_cache", timeout=60).raise_for_status()
-    client = EmbedsEndpoint(gateway.url)
+    client = EmbedsEndpoint(gateway.url, span_handles=False)
     hits, ttft = [], []
     for q in range(QUESTIONS):
         for rows in (spans[i] for i in orders[q]):
@@ -85,7 +88,7 @@ def main() -> None:
     ]
     header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_gateway.py --rounds {args.rounds} "
               f"--rows {args.rows}\nsmg 1.13.0 in front of 2 workers (SmolLM2-135M-Instruct float32, plugin); client "
-              f"EmbedsEndpoint on both sides; {SPANS} spans x {QUESTIONS} questions per side and round, caches flushed "
+              f"EmbedsEndpoint(span_handles=False) on both sides; {SPANS} spans x {QUESTIONS} questions per side and round, caches flushed "
               "between sides; ratio = round-robin / cache-aware")
     names = list(POLICIES)
     text = header + table(f"{SPANS} spans of {args.rows} rows x {QUESTIONS} questions, 2 workers behind smg",

@@ -84,7 +84,10 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
     if len(ids) >= spec.context_len:
         raise ValueError(f"the prompt has {len(ids)} positions (text tokens + span rows), more than "
                          f"the model's context length of {spec.context_len}")
-    overrides = PositionalEmbeds(torch.cat(rows), positions) if rows else None
+    if not rows:
+        return ids, None
+    # one span: its tensor as it is (a kept span's rows are not copied per request)
+    overrides = PositionalEmbeds(rows[0] if len(rows) == 1 else torch.cat(rows), positions)
     return ids, overrides
 
 
