@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import demo_dir, machine, p50, post, save, server, table
+from common import demo_dir, commit, machine, provenance, p50, post, save, server, table
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -56,9 +56,9 @@ def main() -> None:
                 h.append(hf_tps(hf, tok, batch, args.tokens))
             results[batch] = {"sglang": p50(sg), "hf": p50(h)}
     rows = [[b, r["sglang"], r["hf"], r["sglang"] / r["hf"]] for b, r in results.items()]
-    text = f"machine: {machine()}; SmolLM2-135M-Instruct float32, {args.tokens} new tokens, {threads} threads\n" + table(
+    text = f"{provenance()}; SmolLM2-135M-Instruct float32, {args.tokens} new tokens, {threads} threads\n" + table(
         "decode throughput on CPU (tok/s, median of alternating repeats)", ["batch", "SGLang", "HF generate", "SGLang / HF"], rows)
-    save("cpu_decode", {"machine": machine(), "threads": threads, **{str(k): v for k, v in results.items()}}, text)
+    save("cpu_decode", {"commit": commit(), "machine": machine(), "threads": threads, **{str(k): v for k, v in results.items()}}, text)
 
 
 if __name__ == "__main__":

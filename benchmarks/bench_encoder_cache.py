@@ -16,7 +16,6 @@ identical), so the difference is the tower.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 
 import sglang as sgl
@@ -24,7 +23,7 @@ import torch
 from PIL import Image
 
 import sgl_embeds  # noqa: F401
-from common import demo_dir, machine, p50, save, server, table
+from common import demo_dir, commit, machine, provenance, p50, save, server, table
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.testing.encoders import synthetic_scene
 from sgl_embeds.vlm.pixels import ImageProcessing
@@ -83,7 +82,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     image = synthetic_scene(640, 480)
     with server(demo_dir(), True) as s:
         probe = EmbedsEndpoint(s.url, chat_template_name="chatml")
@@ -116,13 +114,12 @@ def main() -> None:
         ["time per question 2-10 (s), median", p50(per_q["no encoder cache"]), p50(per_q["encoder cache"]),
          p50(per_q["no encoder cache"]) / p50(per_q["encoder cache"])],
     ]
-    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_encoder_cache.py "
-              f"--rounds {args.rounds} --max-new-tokens {args.max_new_tokens}\n"
+    header = (f"{provenance()}\n"
               "LLM: SmolLM2-135M-Instruct float32 (plugin, prefix cache warm for both sides); vision: "
               "LLaVA-1.5 geometry (ViT-L/14-336, 576 rows), random weights, on the client's CPU")
     text = header + table("10 questions about one 640x480 image, each session's encoder cache cold",
                           ["metric", "no encoder cache", "encoder cache", "ratio"], rows)
-    save("encoder_cache", {"commit": commit, "machine": machine(), "walls": walls, "per_question": per_q,
+    save("encoder_cache", {"commit": commit(), "machine": machine(), "walls": walls, "per_question": per_q,
                            "tower_runs": runs, "rounds": args.rounds}, text)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import re
-import subprocess
 import time
 
 import requests
@@ -24,7 +23,7 @@ import sglang as sgl
 import torch
 
 import sgl_embeds  # noqa: F401
-from common import demo_dir, embedding_table, machine, p50, post, save, server, table, tokenizer
+from common import demo_dir, embedding_table, commit, machine, provenance, p50, post, save, server, table, tokenizer
 from sgl_embeds.backend import EmbedsEndpoint
 
 
@@ -71,7 +70,6 @@ def main() -> None:
     ap.add_argument("--branches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     model = demo_dir()
     tok, table_ = tokenizer(model), embedding_table(model)
     gen = torch.Generator().manual_seed(1)
@@ -93,12 +91,11 @@ def main() -> None:
     rows = [["wall time per fan-out (s), median", st, ou, st / ou],
             ["prefill positions computed per fan-out, median (incl. the fork's prefix commit)", sc, oc, sc / max(oc, 1)],
             ["span rows", args.rows, args.rows, "-"]]
-    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_fanout.py --rows {args.rows} "
-              f"--branches {args.branches} --rounds {args.rounds}\nSmolLM2-135M-Instruct bfloat16 both sides; "
-              f"both send their {args.branches} branch requests concurrently; caches flushed each round")
+    header = (f"{provenance()}\nSmolLM2-135M-Instruct bfloat16 both sides; both send their {args.branches} branch "
+              "requests concurrently; caches flushed each round")
     text = header + table(f"{args.branches} branches after a {args.rows}-row span, {args.rounds} rounds A/B",
                           ["metric", "stock (no cache)", "sgl_embeds", "stock / ours"], rows)
-    save("fanout", {"commit": commit, "machine": machine(), "rounds": args.rounds, "results": res}, text)
+    save("fanout", {"commit": commit(), "machine": machine(), "rounds": args.rounds, "results": res}, text)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 from contextlib import ExitStack
 
 import torch
 
-from common import demo_dir, embedding_table, machine, p50, post, save, server, table, tokenizer
+from common import demo_dir, embedding_table, commit, machine, provenance, p50, post, save, server, table, tokenizer
 from sgl_embeds import wire
 
 PREFIX = "<|im_start|>user\nHere is an image: "
@@ -72,12 +71,11 @@ def main() -> None:
     ap.add_argument("--sweep", default="64,256,1024,2048")
     ap.add_argument("--sweep-questions", type=int, default=9)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     model = demo_dir()
     tok, table_ = tokenizer(model), embedding_table(model)
     g = torch.Generator().manual_seed(0)
     span = lambda n: table_[torch.randint(0, table_.shape[0], (n,), generator=g)]
-    data = {"commit": commit, "machine": machine()}
+    data = {"commit": commit(), "machine": machine()}
     with ExitStack() as stack:
         stock = stack.enter_context(server(model, False, ["--disable-radix-cache"], dtype="bfloat16"))
         ours = stack.enter_context(server(model, True, dtype="bfloat16"))
@@ -100,9 +98,8 @@ def main() -> None:
             b = res["stock JSON"]["ttft_p50_later"]
             sweep_rows.append([n, res["stock JSON"]["samples"]] + [res[side]["ttft_p50_later"] for side in SIDES]
                               + [b / res["ours JSON"]["ttft_p50_later"], b / res["ours base64"]["ttft_p50_later"]])
-    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_repeated_spans.py --rows {args.rows} "
-              f"--questions {args.questions} --sweep {args.sweep} --sweep-questions {args.sweep_questions}\n"
-              "SmolLM2-135M-Instruct bfloat16 on every side; 1 new token per question, so a request's time is its TTFT")
+    header = (f"{provenance()}\nSmolLM2-135M-Instruct bfloat16 on every side; 1 new token per question, so a "
+              "request's time is its TTFT")
     text = header + table(f"{args.questions} questions about one {args.rows}-row span (samples: questions 2-{args.questions})",
                           ["side", "samples", "TTFT p50 (s)", "TTFT max (s)", "question 1 (s)", "prefill positions computed",
                            "stock JSON p50 / side p50"], rows_main)

@@ -12,7 +12,7 @@ import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from common import demo_dir, machine, p50, post, save, server, table
+from common import demo_dir, commit, machine, provenance, p50, post, save, server, table
 
 
 def round_trip(url: str, n: int, conc: int, tokens: int) -> tuple[float, int]:
@@ -43,12 +43,12 @@ def main() -> None:
                 dt, toks = round_trip(url, args.requests, args.concurrency, args.tokens)
                 tput[side].append(toks / dt)
     a, b = p50(tput["plugin"]), p50(tput["stock"])
-    text = f"machine: {machine()}; float32, {args.requests} requests x {args.tokens} tokens, concurrency {args.concurrency}\n" + table(
+    text = f"{provenance()}; float32, {args.requests} requests x {args.tokens} tokens, concurrency {args.concurrency}\n" + table(
         f"text-only throughput, median of {args.rounds} alternating rounds",
         ["side", "tok/s p50", "min", "max"],
         [["stock SGLang", b, min(tput["stock"]), max(tput["stock"])], ["with sgl_embeds plugin", a, min(tput["plugin"]), max(tput["plugin"])],
          ["ratio plugin / stock", a / b, "-", "-"]])
-    save("text_tax", {"machine": machine(), **tput, "ratio": a / b}, text)
+    save("text_tax", {"commit": commit(), "machine": machine(), **tput, "ratio": a / b}, text)
 
 
 if __name__ == "__main__":

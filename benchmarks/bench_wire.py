@@ -16,7 +16,7 @@ import time
 import orjson
 import torch
 
-from common import demo_dir, machine, post, save, server, table
+from common import demo_dir, commit, machine, provenance, post, save, server, table
 from sgl_embeds import wire
 from sgl_embeds.srt.parse import segments_from_wire
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--hidden", default="576,4096")
     ap.add_argument("--no-e2e", action="store_true")
     args = ap.parse_args()
-    data, rows_out = {"machine": machine()}, []
+    data, rows_out = {"commit": commit(), "machine": machine()}, []
     for hidden in [int(h) for h in args.hidden.split(",")]:
         for rows in [int(r) for r in args.rows.split(",")]:
             results = {f"{f}/{d or 'f32'}": measure(rows, hidden, f, d) for f, d in FORMATS}
@@ -56,7 +56,7 @@ def main() -> None:
             for name, r in results.items():
                 rows_out.append([rows, hidden, name, r["bytes"] / 1e6, r["encode_s"] * 1e3, r["decode_s"] * 1e3, base["decode_s"] / r["decode_s"]])
                 data[f"{rows}x{hidden}/{name}"] = {k: v for k, v in r.items() if k != "raw"}
-    text = f"machine: {machine()}\n" + table("wire formats (best of 3; one run for JSON above 4M values)",
+    text = f"{provenance()}\n" + table("wire formats (best of 3; one run for JSON above 4M values)",
                                                ["rows", "hidden", "format", "MB", "encode ms", "decode+validate ms", "decode speedup vs JSON"], rows_out)
     if not args.no_e2e:
         e2e_rows = []

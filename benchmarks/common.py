@@ -99,5 +99,21 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, sglang {sglang.__version__}"
 
 
+def commit() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def provenance() -> str:
+    """What a table was measured on: commit, machine and the exact command."""
+    import shlex
+    import sys
+
+    command = "python benchmarks/" + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+    return f"commit {commit()}; machine: {machine()}; command: {command}"
+
+
 def demo_dir() -> Path:
     return demo_model_dir()
