@@ -118,7 +118,8 @@ class EmbedsEndpoint(RuntimeEndpoint):
             super()._add_images(s, data)
 
     def _generate_http_request(self, s: Any, data: dict) -> Any:
-        out = self._resending_inline(super()._generate_http_request, s, dict(data))
+        # a fresh copy per attempt: _add_images rewrites the body it is given
+        out = self._resending_inline(lambda: super(EmbedsEndpoint, self)._generate_http_request(s, dict(data)))
         for item in out if isinstance(out, list) else [out]:
             entries = item.get("meta_info", {}).get("input_token_logprobs") or []
             for j, e in enumerate(entries):

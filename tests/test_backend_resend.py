@@ -1,0 +1,119 @@
+"""EmbedsEndpoint without a server: a span sent before goes by handle, and every stock call that
+posts to /generate (gen, select's requests, the fork's prefix commit, streaming, run) is sent
+again once with the rows inline when the server does not hold the handle."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import pytest
+import torch
+from sglang.lang.backend import runtime_endpoint
+
+from sgl_embeds import backend as backend_module
+from sgl_embeds import keys, lang
+from sgl_embeds import segments as seg
+from sgl_embeds.backend import EmbedsEndpoint, SentSpans
+
+HIDDEN = 8
+
+
+class FakeServer:
+    """Answers like the plugin: a handle it does not hold is a 400 UnknownSpanHandle; inline rows
+    with keep_spans are kept. Records every body."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.bodies: list[dict] = []
+
+    def spans(self, body: dict) -> list:
+        prompts = body["input_segments"]
+        prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
+        return [s["embeds"] for p in prompts for s in p if s["type"] == "embeds"]
+
+    def post(self, url, json=None, stream=False, **kwargs):
+        self.bodies.append(json)
+        for span in self.spans(json):
+            if "handle" in span and span["handle"] not in self.held:
+                return Reply(400, {"object": "error", "type": "UnknownSpanHandle", "param": span["handle"], "message": "unknown"})
+            if "handle" not in span and json.get("keep_spans"):
+                t = torch.frombuffer(bytearray(base64.b64decode(span["data"])), dtype=torch.float32)
+                self.held.add(keys.span_handle(t.reshape(span["shape"])))
+        n = len(json["input_segments"]) if isinstance(json["input_segments"][0], list) else 1
+        one = {"text": "ok", "output_ids": [1], "meta_info": {"prompt_tokens": 3, "input_token_logprobs": [[-1.0, 5, "a"]] * 3,
+                                                                "output_token_logprobs": [], "cached_tokens": 0}}
+        return Reply(200, [one] * n if n > 1 or isinstance(json["input_segments"][0], list) else one, stream)
+
+
+class Reply:
+    def __init__(self, status: int, payload, stream: bool = False) -> None:
+        self.status_code, self.payload, self.stream = status, payload, stream
+
+    def json(self):
+        return self.payload
+
+    @property
+    def text(self) -> str:
+        return json.dumps(self.payload)
+
+    def iter_lines(self, decode_unicode=False):
+        yield ("data: " + json.dumps(self.payload)).encode()
+        yield b"data: [DONE]"
+
+
+@pytest.fixture
+def endpoint(monkeypatch):
+    server = FakeServer()
+    monkeypatch.setattr(runtime_endpoint, "http_request", server.post)
+    monkeypatch.setattr(backend_module, "http_request", server.post)
+    ep = EmbedsEndpoint.__new__(EmbedsEndpoint)  # no server to ask for its info
+    ep.base_url, ep.api_key, ep.verify, ep.hidden_size = "http://fake", None, None, HIDDEN
+    ep.wire_format, ep.wire_dtype, ep.sent = "base64", None, SentSpans()
+    ep._inline_only = threading.local()
+    return ep, server
+
+
+class Executor:
+    """The parts of a StreamExecutor the backend reads."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.images_ = []
+        self.text_ = ""
+        lang.span_table(self)[0] = rows
+        self.text_ = "look " + seg.marker(0) + " now"
+
+
+def _kinds(server: FakeServer, since: int) -> list[str]:
+    return ["handle" if "handle" in server.spans(b)[0] else "inline+keep" if b.get("keep_spans") else "inline"
+            for b in server.bodies[since:]]
+
+
+@pytest.mark.parametrize("call", ["generate", "select", "commit", "stream", "run"])
+def test_every_call_goes_by_handle_and_is_resent_inline_once_when_refused(endpoint, call):
+    ep, server = endpoint
+    rows = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    s = Executor(rows)
+    from sglang.lang.ir import SglSamplingParams
+
+    def do():
+        if call == "generate":
+            ep.generate(s, SglSamplingParams(max_new_tokens=1))
+        elif call == "select":
+            ep._generate_http_request(s, {"text": [s.text_ + c for c in ("a", "b")], "sampling_params": {}})
+        elif call == "commit":
+            ep.commit_lazy_operations(s)
+        elif call == "stream":
+            list(ep.generate_stream(s, SglSamplingParams(max_new_tokens=1)))
+        else:
+            ep.run(input_segments=[seg.Text("look"), seg.Embeds(rows)])
+
+    do()
+    assert _kinds(server, 0) == ["inline+keep"]  # first time: rows inline, kept
+    do()
+    assert _kinds(server, 1) == ["handle"]  # sent before: by handle only
+    server.held.clear()  # the server lost it (evicted, or another worker behind a gateway)
+    do()
+    assert _kinds(server, 2) == ["handle", "inline+keep"]  # refused once, resent inline
+    assert server.bodies[-1]["text"].endswith(keys.ROUTE_TAG)  # the routing hint rides along
