@@ -56,6 +56,13 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request": ('{"input_ids": prompt}',),
     "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request": ("raw_request",),
     f"{_HTTP}.app": (),
+    # multi-tokenizer mode: each HTTP worker imports the app by this path (http.before_launch_server)
+    f"{_HTTP}._setup_and_run_http_server": ("SGLANG_HTTP_SERVER_APP_PATH",),
+    f"{_HTTP}._run_granian_server": ("SGLANG_HTTP_SERVER_APP_PATH",),
+    "sglang.srt.plugins.load_plugins": ("apply_hooks",),
+    # the client finds the plugin's info here, through a gateway too (deprecated upstream, but
+    # SGLang's own RuntimeEndpoint still calls it)
+    f"{_HTTP}.get_model_info": (),
     f"{_HTTP}._global_state": (),
     "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds"),
     f"{_SB}.FAKE_BOOTSTRAP_HOST": (),
