@@ -4,6 +4,7 @@ worker processes that each import the app anew; the plugin installs itself in ev
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import requests
@@ -14,16 +15,29 @@ from sgl_embeds.testing.server import Server
 
 @pytest.fixture(scope="module")
 def multi_tokenizer_server(llama_dir):
-    server = Server(llama_dir, extra_args=["--tokenizer-worker-num", "2", "--enable-cache-report"]).start()
+    # On a busy 2-core machine a worker's import can outlast uvicorn's 10 s health check of its
+    # workers, which then replaces it: give it time, and wait until both have registered (the
+    # server says it is ready once the first one has).
+    server = Server(llama_dir, extra_args=["--tokenizer-worker-num", "2", "--enable-cache-report"],
+                    env={"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "120"}).start()
+    deadline = time.monotonic() + 180
+    while "(total: 2)" not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and server.alive(), server.log_tail()
+        time.sleep(0.5)
     yield server
     server.stop()
 
 
 def test_span_prompts_work_through_every_tokenizer_worker(multi_tokenizer_server, llama_server):
     url = multi_tokenizer_server.url
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        pids = set(pool.map(lambda _: requests.get(url + "/sgl_embeds/info", timeout=60).json()["http_worker_pid"], range(64)))
-    assert len(pids) == 2, f"expected both tokenizer workers to answer, saw {pids}"
+    pids: set[int] = set()
+    for _ in range(20):  # which worker accepts a connection is up to the kernel: ask until both have
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            pids |= set(pool.map(lambda _: requests.get(url + "/sgl_embeds/info", timeout=60).json()["http_worker_pid"], range(32)))
+        if len(pids) == 2:
+            break
+        time.sleep(0.5)
+    assert len(pids) == 2, f"expected both tokenizer workers to answer with the plugin, saw {pids}"
 
     prompts = [[text(f"item {i}:"), span(seeded_rows(1601 + i % 4, 6)), text(" is")] for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
