@@ -27,10 +27,6 @@ from sgl_embeds import segments as seg
 from sgl_embeds import wire
 from sgl_embeds.vision import EncoderCache
 
-# The "type" of the server's error for a handle it does not hold (srt/handles.UNKNOWN_HANDLE_TYPE;
-# the client does not import the server's modules).
-UNKNOWN_HANDLE_TYPE = "UnknownSpanHandle"
-
 # The server sends a null input-logprob entry for a span row (a row has no token, so no logprob
 # and no text). Stock select() reads every entry of the last prompt positions: it averages their
 # logprobs and compares the first entry's text with each choice (token healing). A span row
@@ -51,8 +47,7 @@ class SentSpans:
 
     @staticmethod
     def key(sent: torch.Tensor) -> tuple:
-        raw = sent.view(torch.uint8).numpy() if sent.numel() else b""
-        return str(sent.dtype), tuple(sent.shape), xxhash.xxh3_128_hexdigest(raw)
+        return str(sent.dtype), tuple(sent.shape), xxhash.xxh3_128_hexdigest(keys.raw_bytes(sent))
 
     def get(self, key: tuple) -> tuple[str, str] | None:
         with self._lock:
@@ -263,7 +258,7 @@ _END = object()
 
 
 def _is_unknown_handle(error: Any) -> bool:
-    return isinstance(error, dict) and error.get("type") == UNKNOWN_HANDLE_TYPE
+    return isinstance(error, dict) and error.get("type") == keys.UNKNOWN_HANDLE_TYPE
 
 
 def _checked(x: Any, hidden_size: int, checked: bool, where: str) -> torch.Tensor:

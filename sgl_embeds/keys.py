@@ -23,11 +23,14 @@ import xxhash
 from sgl_embeds.segments import Embeds, Ids, Segment, Text
 
 HANDLE_PREFIX = "span-"
+# The error "type" of a request naming a handle the server does not hold (the client resends rows)
+UNKNOWN_HANDLE_TYPE = "UnknownSpanHandle"
 ROUTE_TAG = " <sgl_embeds routing hint>"
 ROUTE_CHARS_PER_ROW = 6  # a row weighs about what a 1-2 token word weighs in the gateway's tree
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (on the CPU, contiguous), without a copy where it already is."""
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
@@ -35,13 +38,13 @@ def _raw(t: torch.Tensor) -> memoryview:
 def span_handle(t: torch.Tensor) -> str:
     """The handle of a span as the server decodes it (dtype, shape and bytes as sent)."""
     digest = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
-    digest.update(_raw(t))
+    digest.update(raw_bytes(t))
     return HANDLE_PREFIX + digest.hexdigest()
 
 
 def route_rows(t: torch.Tensor) -> str:
     """``ROUTE_CHARS_PER_ROW`` hex characters per row, from a hash of the row's bytes."""
-    raw = _raw(t)
+    raw = raw_bytes(t)
     width = raw.nbytes // max(t.shape[0], 1)
     return "".join(xxhash.xxh3_64_hexdigest(raw[i * width:(i + 1) * width])[:ROUTE_CHARS_PER_ROW]
                    for i in range(t.shape[0]))

@@ -8,7 +8,8 @@ handle, and a handle cannot be guessed without the rows. ``DELETE /sgl_embeds/sp
 drops one. A request may also keep the spans it sends inline (``"keep_spans": true``, see
 ``parse.py``): behind a gateway, which has no upload route, that is how a worker learns a span.
 A request that names a handle this server does not hold gets ``UnknownSpanHandle`` (HTTP 400,
-``"type": UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span inline. The store lives in the HTTP process, shared by every client of the server (see
+``"type": keys.UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span
+inline. The store lives in the HTTP process, shared by every client of the server (see
 docs/reliability.md for the tenancy model); the ``Engine`` API takes tensors directly instead.
 """
 
@@ -24,7 +25,6 @@ from sgl_embeds.keys import span_handle
 from sgl_embeds.lru import TensorLRU, nbytes
 
 PATH = "/sgl_embeds/spans"
-UNKNOWN_HANDLE_TYPE = "UnknownSpanHandle"  # the error body's "type" for UnknownSpanHandle
 
 
 def budget_bytes() -> int:

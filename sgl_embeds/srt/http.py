@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from sgl_embeds import wire
+from sgl_embeds.keys import UNKNOWN_HANDLE_TYPE
 from sgl_embeds.srt import handles, openai, parse, prompts, token_ids
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class SpanMiddleware:
         try:
             response = await handler(payload, Request(scope, replay), prompts.RouteContext(server_spec(), self.store))
         except handles.UnknownSpanHandle as e:  # machine-readable: the client resends the rows
-            response = error_response(str(e), kind=handles.UNKNOWN_HANDLE_TYPE, param=e.handle)
+            response = error_response(str(e), kind=UNKNOWN_HANDLE_TYPE, param=e.handle)
         except ValueError as e:
             response = error_response(str(e))
         if isinstance(response, openai.StockRequest):
@@ -160,8 +161,7 @@ class SpanMiddleware:
         if isinstance(payload, dict):
             payload[MODEL_INFO_KEY] = info(self.store)
             body = orjson.dumps(payload)
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send(_with_length(start, len(body)))
         await send({"type": "http.response.body", "body": body})
 
     async def _own_route(self, path: str, method: str, scope: dict, receive: Callable, send: Callable) -> None:
@@ -211,9 +211,10 @@ async def _read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
     return b"".join(chunks), False
 
 
-def _with_length(scope: dict, n: int) -> dict:
-    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-    return {**scope, "headers": headers + [(b"content-length", str(n).encode())]}
+def _with_length(message: dict, n: int) -> dict:
+    """A request scope or response start with its content-length set to ``n``."""
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
+    return {**message, "headers": headers + [(b"content-length", str(n).encode())]}
 
 
 def _replay(body: bytes, receive: Callable) -> Callable:
