@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 NEAR_TIE = 1e-3
@@ -165,3 +166,12 @@ def llava_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens
                          output_scores=True, return_dict_in_generate=True,
                          pad_token_id=model.config.text_config.pad_token_id)
     return _greedy_from_scores(out.sequences, out.scores)
+
+
+@pytest.fixture(autouse=True)
+def at_most_one_forgiven_near_tie_per_test():
+    """A test may forgive one near-tie against HF in all the sequences it compares, not one each
+    (imported by tests/conftest.py and gpu/conftest.py)."""
+    FORGIVEN.clear()
+    yield
+    assert len(FORGIVEN) <= 1, f"more than one near-tie forgiven in this test: {FORGIVEN}"
