@@ -6,7 +6,7 @@ import pytest
 import requests
 import torch
 
-from helpers import body, generate, reference_embeds, span, text
+from helpers import body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
 from sgl_embeds import wire
 from sgl_embeds.srt.handles import SpanStore
 from sgl_embeds.testing import reference as ref
@@ -70,3 +70,37 @@ def test_upload_once_and_refer_by_handle_everywhere(llama_server):
 def test_bad_uploads_are_400s(llama_server, payload, message):
     r = requests.post(llama_server.url + "/sgl_embeds/spans", json=payload, timeout=60)
     assert r.status_code == 400 and message in r.json()["message"], r.text
+
+
+def test_a_kept_span_crosses_to_the_scheduler_once(llama_server):
+    """After its first request a span sent by handle stays in the HTTP process; the scheduler
+    uses the rows it kept (srt/transport.py), also when the cache no longer holds the span."""
+    url, model_dir = llama_server.url, llama_server.model_dir
+    rows, other = seeded_rows(77, 24), seeded_rows(78, 24)
+    handle = requests.post(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}, timeout=60).json()["handle"]
+    by_handle = {"type": "embeds", "embeds": {"handle": handle}}
+
+    def counts() -> dict:
+        return requests.get(url + "/sgl_embeds/info", timeout=30).json()["rows_to_scheduler"]
+
+    start = counts()
+    assert start["on"]
+    generate(llama_server, body([text("the fox"), by_handle], 2))
+    first = counts()
+    assert (first["rows_sent"] - start["rows_sent"], first["rows_left_out"] - start["rows_left_out"]) == (24, 0)
+    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+    out = generate(llama_server, body([text("a cat"), by_handle, text(" is")], 8))
+    again = counts()
+    assert (again["rows_sent"] - first["rows_sent"], again["rows_left_out"] - first["rows_left_out"]) == (0, 24)
+    assert out["meta_info"]["cached_tokens"] == 0  # the span's KV was computed from the kept rows
+    parts = ["a cat", rows, " is"]
+    ref.assert_matches_hf(out["output_ids"], model_dir, reference_embeds(model_dir, parts), 8,
+                          other_span_embeds=reference_embeds(model_dir, with_other_spans(parts)))
+    mixed = generate(llama_server, body([text("a cat"), by_handle, text(" and"), span(other)], 8))
+    inline = generate(llama_server, body([text("a cat"), span(rows), text(" and"), span(other)], 8))
+    assert mixed["output_ids"] == inline["output_ids"]
+    last = counts()  # the handle's rows stayed; the inline spans went (the second request: both)
+    assert (last["rows_sent"] - again["rows_sent"], last["rows_left_out"] - again["rows_left_out"]) == (24 + 48, 24)
+    held = last["held_spans"]
+    assert requests.delete(url + f"/sgl_embeds/spans/{handle}", timeout=30).json() == {"deleted": True}
+    assert counts()["held_spans"] == held - 1

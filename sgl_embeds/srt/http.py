@@ -23,7 +23,7 @@ import orjson
 
 from sgl_embeds import wire
 from sgl_embeds.keys import UNKNOWN_HANDLE_TYPE
-from sgl_embeds.srt import handles, openai, parse, prompts, token_ids
+from sgl_embeds.srt import handles, openai, parse, prompts, token_ids, transport
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def info(store: handles.SpanStore) -> dict:
         "max_span_bytes": parse.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
         "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
+        "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
         "http_worker_pid": os.getpid(),
     }
 
@@ -181,7 +182,9 @@ class SpanMiddleware:
             except ValueError as e:
                 response = error_response(str(e))
         elif path.startswith(handles.PATH + "/") and method == "DELETE":
-            found = self.store.delete(path[len(handles.PATH) + 1 :])
+            handle = path[len(handles.PATH) + 1 :]
+            found = self.store.delete(handle)
+            transport.release(handle)  # the scheduler's copy too
             response = ORJSONResponse({"deleted": found}, status_code=200 if found else 404)
         else:
             response = error_response(f"no route {method} {path}", 404)

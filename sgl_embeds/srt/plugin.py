@@ -23,13 +23,14 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds.cpu import attention
-    from sgl_embeds.srt import engine, logprobs, openai, scheduler
+    from sgl_embeds.srt import engine, logprobs, openai, scheduler, transport
 
     table = {
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
         targets.REQ_NEXT_ROUND_INPUT: (HookType.AROUND, scheduler.req_init_next_round_input),
         targets.PREPARE_FOR_EXTEND: (HookType.AROUND, scheduler.prepare_for_extend),
         targets.ADD_LOGPROB_TO_META_INFO: (HookType.AROUND, logprobs.add_logprob_to_meta_info),
+        targets.INIT_EMBEDS_TRANSPORT: (HookType.AROUND, transport.init_positional_embeds_transport),
         targets.GENERATE_REQUEST: (HookType.AROUND, openai.generate_request),
         targets.ENGINE_GENERATE: (HookType.AROUND, engine.generate),
         targets.ENGINE_ASYNC_GENERATE: (HookType.AROUND, engine.async_generate),

@@ -50,13 +50,15 @@ class RouteContext:
 
 
 def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
-    """Token ids (placeholders at span rows) and the ``PositionalEmbeds`` of the span rows.
+    """Token ids (placeholders at span rows) and the span rows at their positions
+    (``transport.SpanEmbeds``, SGLang's ``PositionalEmbeds`` with each span's handle).
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
-    from sglang.srt.managers.embed_types import PositionalEmbeds
+    from sgl_embeds.srt.transport import span_embeds
 
     ids: list[int] = []
     rows: list[torch.Tensor] = []
+    handles: list[str | None] = []
     positions: list[int] = []
     for i, s in enumerate(segments):
         if isinstance(s, Text):
@@ -79,16 +81,13 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
             positions.extend(range(len(ids), len(ids) + t.shape[0]))
             ids.extend(placeholder_ids(t, s.handle))
             rows.append(t)
+            handles.append(s.handle)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
     if len(ids) >= spec.context_len:
         raise ValueError(f"the prompt has {len(ids)} positions (text tokens + span rows), more than "
                          f"the model's context length of {spec.context_len}")
-    if not rows:
-        return ids, None
-    # one span: its tensor as it is (a kept span's rows are not copied per request)
-    overrides = PositionalEmbeds(rows[0] if len(rows) == 1 else torch.cat(rows), positions)
-    return ids, overrides
+    return ids, span_embeds(rows, positions, handles) if rows else None
 
 
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:

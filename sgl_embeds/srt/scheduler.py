@@ -24,7 +24,7 @@ def is_span_prompt(req: Any) -> bool:
 def _mark(req: Any) -> bool:
     pe = req.positional_embed_overrides
     ids = req.origin_input_ids
-    ours = pe is not None and bool(pe.positions) and all(is_placeholder(ids[p]) for p in pe.positions)
+    ours = pe is not None and bool(pe.positions) and all(ids[p] >= PLACEHOLDER_BASE for p in pe.positions)
     setattr(req, _FLAG, ours)
     return ours
 
@@ -33,6 +33,9 @@ def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
     """After ``Req.__init__``: undo the stock cache opt-out for span prompts, and abort a request
     holding an id the embedding table cannot look up (the last guard, see ``token_ids.py``)."""
     original(self, *args, **kwargs)
+    pe = self.positional_embed_overrides
+    if pe is not None and pe.embeds is None:  # rows this scheduler should hold but does not (transport.py)
+        self.positional_embed_overrides = None  # so its placeholders abort it below
     if _mark(self):
         # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
         from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST

@@ -29,6 +29,7 @@ PREPARE_FOR_EXTEND = f"{_SB}.ScheduleBatch.prepare_for_extend"
 SDPA_FORWARD_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
+INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
 GENERATE_REQUEST = f"{_TM}.generate_request"
 LAUNCH_SERVER = f"{_HTTP}.launch_server"
 ENGINE_GENERATE = f"{_ENGINE}.generate"
@@ -43,6 +44,7 @@ PATCHED: dict[str, tuple[str, ...]] = {
     PREPARE_FOR_EXTEND: ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides"),
     SDPA_FORWARD_EXTEND: ("per_req_query_redudant", "extend_prefix_lens"),
     ADD_LOGPROB_TO_META_INFO: ('meta_info["input_token_logprobs"]',),
+    INIT_EMBEDS_TRANSPORT: ("self.positional_embeds_transport = PositionalEmbedsTransport",),
     GENERATE_REQUEST: (),
     LAUNCH_SERVER: (),
     ENGINE_GENERATE: ("tokenizer_manager.generate_request",),
@@ -64,7 +66,13 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     # SGLang's own RuntimeEndpoint still calls it)
     f"{_HTTP}.get_model_info": (),
     f"{_HTTP}._global_state": (),
-    "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds"),
+    "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds", "def reconstruct"),
+    # transport.py: our wrapper of the dispatch transport is called around every send, and the
+    # scheduler reconstructs every request's overrides first thing, in the order they were sent
+    f"{_TM}._send_one_request": ("positional_embeds_transport.prepare_for_dispatch", "cancel_for_dispatch"),
+    f"{_TM}._send_batch_request": ("positional_embeds_transport.prepare_for_dispatch", "cancel_for_dispatch"),
+    "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("positional_embed_overrides.reconstruct",),
+    "sglang.srt.managers.io_struct.sock_send": ("send_pyobj",),
     f"{_SB}.FAKE_BOOTSTRAP_HOST": (),
     f"{_SB}.Req.set_finish_with_abort": ("origin_input_ids", "FINISH_ABORT"),
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs": ("replace_embeds", "replace_positions"),
