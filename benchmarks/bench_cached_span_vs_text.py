@@ -10,6 +10,9 @@ request by request (order rotated every round):
   (``sglang.utils.http_request``): the baseline every ratio divides by;
 * ``span inline``: ``input_segments`` with the rows as base64 every time (raw HTTP);
 * ``span by handle``: the rows uploaded once (``POST /sgl_embeds/spans``), then ``{"handle": ...}``;
+* ``span by handle, rows to the scheduler every time``: the same, on a second plugin server with
+  ``SGL_EMBEDS_ROWS_BY_HANDLE=0`` (the HTTP process then hands the rows to the scheduler with every
+  request, as before ``srt/transport.py``): what that transport saves;
 * ``EmbedsEndpoint.run``: the client as a user calls it (inline on the first call, by handle after);
 * ``program``: an ``@sgl.function`` with ``sgl.embeds(rows)`` and ``sgl.gen`` on ``EmbedsEndpoint``.
 
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import subprocess
 import time
 
 import orjson
@@ -33,13 +35,14 @@ import torch
 from sglang.utils import http_request
 
 import sgl_embeds  # noqa: F401
-from common import demo_dir, embedding_table, machine, p50, save, server, table, tokenizer
+from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
 from sgl_embeds import keys, wire
 from sgl_embeds.backend import EmbedsEndpoint, SentSpans
 from sgl_embeds.segments import Embeds, Ids
 from sgl_embeds.srt.placeholders import placeholder_ids
 
-SIDES = ["text ids", "span inline", "span by handle", "EmbedsEndpoint.run", "program"]
+SIDES = ["text ids", "span inline", "span by handle", "span by handle, rows to the scheduler every time",
+         "EmbedsEndpoint.run", "program"]
 
 
 @sgl.function
@@ -56,9 +59,10 @@ def _generate(url: str, body: dict) -> dict:
     return res.json()
 
 
-def measure(url: str, tok, prefix_ids: list[int], rows: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+def measure(url: str, url_rows_each_time: str, tok, prefix_ids: list[int], rows: torch.Tensor, rounds: int) -> dict[str, list[float]]:
     greedy = {"temperature": 0, "max_new_tokens": 1}
-    handle = http_request(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}).json()["handle"]
+    for u in (url, url_rows_each_time):
+        handle = http_request(u + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}).json()["handle"]
     client = EmbedsEndpoint(url)
 
     def question(i: int) -> list[int]:
@@ -74,9 +78,10 @@ def measure(url: str, tok, prefix_ids: list[int], rows: torch.Tensor, rounds: in
         elif side == "span inline":
             _generate(url, {"input_segments": [{"type": "embeds", "embeds": wire.encode_tensor(rows)},
                                                {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
-        elif side == "span by handle":
-            _generate(url, {"input_segments": [{"type": "embeds", "embeds": {"handle": handle}},
-                                               {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
+        elif side.startswith("span by handle"):
+            _generate(url if side == "span by handle" else url_rows_each_time,
+                      {"input_segments": [{"type": "embeds", "embeds": {"handle": handle}},
+                                          {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
         elif side == "EmbedsEndpoint.run":
             client.run(input_segments=[Embeds(rows), Ids(q)], sampling_params=greedy)
         else:
@@ -124,15 +129,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tok, table_ = tokenizer(demo_dir()), embedding_table(demo_dir())
     gen = torch.Generator().manual_seed(0)
     results, profile = {}, {}
-    with server(demo_dir(), True, ["--enable-cache-report"]) as s:
+    with (server(demo_dir(), True, ["--enable-cache-report"]) as s,
+          server(demo_dir(), True, ["--enable-cache-report"], env={"SGL_EMBEDS_ROWS_BY_HANDLE": "0"}) as s_off):
         for n in sizes:
             prefix_ids = torch.randint(1000, len(table_) - 1000, (n,), generator=gen).tolist()
             rows = table_[prefix_ids].contiguous()
-            results[n] = measure(s.url, tok, prefix_ids, rows, args.rounds)
+            results[n] = measure(s.url, s_off.url, tok, prefix_ids, rows, args.rounds)
             profile[n] = pieces(rows)
     out_rows = []
     for n in sizes:
@@ -140,8 +145,8 @@ def main() -> None:
         for side in SIDES:
             t = p50(results[n][side])
             out_rows.append([n, side, t * 1000, t / base])
-    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_cached_span_vs_text.py "
-              f"--sizes {args.sizes} --rounds {args.rounds}\nSmolLM2-135M-Instruct float32, one plugin server; "
+    header = (f"{provenance()}\nSmolLM2-135M-Instruct float32, plugin servers (the second only for the side "
+              f"with rows to the scheduler every time); "
               f"every request: cached prefix of N positions + a new ~12-token question, 1 new token; "
               f"{args.rounds} requests per side and size, interleaved; ratio = side / text ids (same N)")
     text = header + table("TTFT after a cached prefix: span vs the same prefix as text ids",
@@ -149,7 +154,7 @@ def main() -> None:
     prof_rows = [[n, k, v] for n in sizes for k, v in profile[n].items()]
     text += "\n" + table("Per-request pieces of an inline span (ms, median of 5, in the benchmark's process)",
                          ["N", "piece", "ms"], prof_rows)
-    save("cached_span_vs_text", {"commit": commit, "machine": machine(), "rounds": args.rounds,
+    save("cached_span_vs_text", {"commit": commit(), "machine": machine(), "rounds": args.rounds,
                                  "results": {str(k): v for k, v in results.items()},
                                  "profile": {str(k): v for k, v in profile.items()}}, text)
 

@@ -20,14 +20,13 @@ flushed and the client is new. Sides alternate A/B, B/A over the rounds. Reporte
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 
 import requests
 import torch
 
 import sgl_embeds  # noqa: F401
-from common import demo_dir, embedding_table, machine, p50, save, table
+from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, table
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.segments import Embeds, Text
 from sgl_embeds.testing.server import Gateway, Server, start_all
@@ -58,7 +57,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", type=int, default=256)
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     table_rows = embedding_table(demo_dir())
     gen = torch.Generator().manual_seed(0)
     workers = start_all([Server(demo_dir()) for _ in range(2)])
@@ -86,14 +84,13 @@ def main() -> None:
         ["repeat questions hitting the span's cache", f"{sum(a['hits'])}/{len(a['hits'])}", f"{sum(b['hits'])}/{len(b['hits'])}", "-"],
         ["TTFT p50, questions 2-4 (s)", p50(a["ttft"]), p50(b["ttft"]), p50(b["ttft"]) / p50(a["ttft"])],
     ]
-    header = (f"commit {commit}; machine: {machine()}; command: python benchmarks/bench_gateway.py --rounds {args.rounds} "
-              f"--rows {args.rows}\nsmg 1.13.0 in front of 2 workers (SmolLM2-135M-Instruct float32, plugin); client "
+    header = (f"{provenance()}\nsmg 1.13.0 in front of 2 workers (SmolLM2-135M-Instruct float32, plugin); client "
               f"EmbedsEndpoint(span_handles=False) on both sides; {SPANS} spans x {QUESTIONS} questions per side and round, caches flushed "
               "between sides; ratio = round-robin / cache-aware")
     names = list(POLICIES)
     text = header + table(f"{SPANS} spans of {args.rows} rows x {QUESTIONS} questions, 2 workers behind smg",
                           ["metric", names[0], names[1], "ratio"], rows)
-    save("gateway", {"commit": commit, "machine": machine(), "rounds": args.rounds, "rows": args.rows,
+    save("gateway", {"commit": commit(), "machine": machine(), "rounds": args.rounds, "rows": args.rows,
                      "results": results}, text)
 
 

@@ -21,7 +21,6 @@ machine noise hits all alike. Every question after the first is a sample: TTFT p
 from __future__ import annotations
 
 import argparse
-import os
 from contextlib import ExitStack
 
 import torch
@@ -79,11 +78,7 @@ def main() -> None:
     with ExitStack() as stack:
         stock = stack.enter_context(server(model, False, ["--disable-radix-cache"], dtype="bfloat16"))
         ours = stack.enter_context(server(model, True, dtype="bfloat16"))
-        os.environ["SGL_EMBEDS_CPU_ATTENTION"] = "0"
-        try:
-            ours_stock_attn = stack.enter_context(server(model, True, dtype="bfloat16"))
-        finally:
-            os.environ.pop("SGL_EMBEDS_CPU_ATTENTION")
+        ours_stock_attn = stack.enter_context(server(model, True, dtype="bfloat16", env={"SGL_EMBEDS_CPU_ATTENTION": "0"}))
         urls = {"stock JSON": stock.url, "ours JSON": ours.url, "ours base64": ours.url,
                 "ours base64, stock attention": ours_stock_attn.url}
         main_res = {side: summarize(rs) for side, rs in run(urls, bodies(tok, table_, span(args.rows), args.questions), 1).items()}

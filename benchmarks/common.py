@@ -24,18 +24,12 @@ RESULTS = Path(__file__).with_name("results")
 
 
 @contextmanager
-def server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32"):
-    env_key = "SGLANG_PLUGINS"
-    saved = os.environ.get(env_key)
+def server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32", env: dict[str, str] | None = None):
+    """A server of the demo build on 127.0.0.1; ``env``: extra variables for it alone."""
+    env = dict(env or {})
     if not plugin:
-        os.environ[env_key] = "no-plugin-at-all"  # a whitelist that matches nothing
-    try:
-        s = Server(model_dir, extra_args=list(extra), dtype=dtype).start()
-    finally:
-        if saved is None:
-            os.environ.pop(env_key, None)
-        else:
-            os.environ[env_key] = saved
+        env["SGLANG_PLUGINS"] = "no-plugin-at-all"  # a whitelist that matches nothing
+    s = Server(model_dir, extra_args=list(extra), dtype=dtype, env=env).start()
     try:
         yield s
     finally:
@@ -91,12 +85,21 @@ def save(name: str, data: dict, text: str) -> None:
 
 
 def machine() -> str:
+    """The CPU by model and vector extensions (bfloat16 speed on CPU hangs on them), cores, GPU."""
     import platform
 
     import sglang
 
+    cpu, flags = platform.machine(), set()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    except OSError:
+        pass
+    simd = "+".join(f for f in ["avx2", "avx512f", "avx512_bf16", "amx_bf16"] if f in flags) or "no AVX2"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, sglang {sglang.__version__}"
+    return f"{cpu} ({simd}), {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, sglang {sglang.__version__}"
 
 
 def commit() -> str:
