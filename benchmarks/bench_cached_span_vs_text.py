@@ -17,8 +17,8 @@ request by request (order rotated every round):
 * ``program``: an ``@sgl.function`` with ``sgl.embeds(rows)`` and ``sgl.gen`` on ``EmbedsEndpoint``.
 
 A second table times the per-request pieces of an inline span in this process (client encode,
-body JSON, server decode + validation, placeholder hashing, handle hashing, and pickling the rows
-as the HTTP process does to hand them to the scheduler).
+body JSON, server decode + validation, placeholder hashing, handle hashing, and the pickle round
+trip that hands the rows from the HTTP process to the scheduler, as SGLang's socket does).
 
     python benchmarks/bench_cached_span_vs_text.py [--sizes 256,1024,4096] [--rounds 12]
 """
@@ -119,7 +119,8 @@ def pieces(rows: torch.Tensor) -> dict[str, float]:
         "server: parse body JSON": ms(lambda: orjson.loads(body)),
         "server: wire.decode_tensor (base64 + checks)": ms(lambda: wire.decode_tensor(encoded)),
         "server: placeholder ids (blake2b per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),
-        "server: pickle the rows to the scheduler": ms(lambda: pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)),
+        "server: rows to the scheduler, pickle + unpickle (once per kept span)": ms(
+            lambda: pickle.loads(pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL))),
     }
 
 
