@@ -14,8 +14,9 @@ span that the HTTP process keeps by handle (``handles.SpanStore``) crosses once 
   came with a handle and puts back the ones that did not come.
 
 Both ends stay in step because requests from one HTTP process reach the scheduler in the order
-they were sent, over one socket. The scheduler lets a span go when the HTTP process's store does
-(the handle travels on the next request; a failed send leaves it to the following one). Only
+they were sent, over one socket. The HTTP side bounds what the scheduler holds from it (an LRU of
+``SGL_EMBEDS_HANDLE_BYTES``, like the store) and tells it, on its next request, which spans to
+let go (evicted there, or deleted from the store). Only
 with SGLang's pickle IPC (the default), one data-parallel rank and one pipeline stage (the
 scheduler that receives is then the one that serves); otherwise every request carries its rows.
 ``SGL_EMBEDS_ROWS_BY_HANDLE=0`` turns it off (benchmarks compare). A span the scheduler should
@@ -147,6 +148,11 @@ class HandleTransport:
         with self._lock:
             self._let_go(handle)
 
+    def stats(self) -> dict:
+        with self._lock:
+            return {"on": self.on, "rows_sent": self.rows_sent, "rows_left_out": self.rows_left_out,
+                    "held_spans": len(self._held), "held_bytes": self._held_bytes, "budget": self.budget}
+
     def _let_go(self, handle: str) -> None:
         size = self._held.pop(handle, None)
         if size is not None:
@@ -169,11 +175,6 @@ class HandleTransport:
                     obj.positional_embed_overrides, change = self._for_wire(pe)
                     changes.append(change)
         return [_Prepared(changes, self.stock.prepare_for_dispatch(objs))]
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"on": self.on, "rows_sent": self.rows_sent, "rows_left_out": self.rows_left_out,
-                    "held_spans": len(self._held), "held_bytes": self._held_bytes, "budget": self.budget}
 
     def cancel_for_dispatch(self, prepared: list) -> None:
         """The send failed: the scheduler got none of it. What this send would have made it hold
@@ -198,16 +199,14 @@ class HandleTransport:
             go = handle is None or handle not in self._held
             if go:
                 parts.append(rows)
+                self.rows_sent += length
                 if handle is not None:
                     self._hold(handle, rows.numel() * rows.element_size())
                     newly_held.append(handle)
             else:
                 self._held.move_to_end(handle)
-            sent.append(go)
-            if go:
-                self.rows_sent += length
-            else:
                 self.rows_left_out += length
+            sent.append(go)
         # a span let go and sent again is held again: not released (the scheduler releases after use)
         released = [h for h in self._released if h not in self._held]
         self._released = []
