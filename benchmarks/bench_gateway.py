@@ -12,7 +12,7 @@ in a shuffled order, the same shuffles for both sides: with a fixed order round-
 each span back to the same worker by accident), one new token each,
 so a request's time is its time to first token. Before each side runs, both workers' caches are
 flushed and the client is new. Sides alternate A/B, B/A over the rounds. Reported over questions
-2-4 of every span: the share whose ``cached_tokens`` cover the span, and TTFT p50.
+2-4 of every span: the share whose ``cached_tokens`` cover the span, and TTFT p50, mean and p90.
 
     python benchmarks/bench_gateway.py [--rounds 2] [--rows 256]
 """
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from statistics import mean
 
 import requests
 import torch
 
 import sgl_embeds  # noqa: F401
-from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, table
+from common import commit, demo_dir, embedding_table, machine, p50, pct, provenance, save, table
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.segments import Embeds, Text
 from sgl_embeds.testing.server import Gateway, Server, start_all
@@ -83,6 +84,8 @@ def main() -> None:
     rows = [
         ["repeat questions hitting the span's cache", f"{sum(a['hits'])}/{len(a['hits'])}", f"{sum(b['hits'])}/{len(b['hits'])}", "-"],
         ["TTFT p50, questions 2-4 (s)", p50(a["ttft"]), p50(b["ttft"]), p50(b["ttft"]) / p50(a["ttft"])],
+        ["TTFT mean, questions 2-4 (s)", mean(a["ttft"]), mean(b["ttft"]), mean(b["ttft"]) / mean(a["ttft"])],
+        ["TTFT p90, questions 2-4 (s)", pct(a["ttft"], 90), pct(b["ttft"], 90), pct(b["ttft"], 90) / pct(a["ttft"], 90)],
     ]
     header = (f"{provenance()}\nsmg 1.13.0 in front of 2 workers (SmolLM2-135M-Instruct float32, plugin); client "
               f"EmbedsEndpoint(span_handles=False) on both sides; {SPANS} spans x {QUESTIONS} questions per side and round, caches flushed "
