@@ -28,16 +28,23 @@ def multi_tokenizer_server(llama_dir):
     server.stop()
 
 
+def _info_by_worker(url: str) -> dict[int, dict]:
+    """``/sgl_embeds/info`` of both tokenizer workers, by pid. Which worker accepts a connection
+    is up to the kernel: ask until both have answered."""
+    seen: dict[int, dict] = {}
+    for _ in range(20):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for info in pool.map(lambda _: requests.get(url + "/sgl_embeds/info", timeout=60).json(), range(32)):
+                seen[info["http_worker_pid"]] = info
+        if len(seen) == 2:
+            return seen
+        time.sleep(0.5)
+    raise AssertionError(f"expected both tokenizer workers to answer with the plugin, saw {sorted(seen)}")
+
+
 def test_span_prompts_work_through_every_tokenizer_worker(multi_tokenizer_server, llama_server):
     url = multi_tokenizer_server.url
-    pids: set[int] = set()
-    for _ in range(20):  # which worker accepts a connection is up to the kernel: ask until both have
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            pids |= set(pool.map(lambda _: requests.get(url + "/sgl_embeds/info", timeout=60).json()["http_worker_pid"], range(32)))
-        if len(pids) == 2:
-            break
-        time.sleep(0.5)
-    assert len(pids) == 2, f"expected both tokenizer workers to answer with the plugin, saw {pids}"
+    _info_by_worker(url)  # both workers answer with the plugin
 
     prompts = [[text(f"item {i}:"), span(seeded_rows(1601 + i % 4, 6)), text(" is")] for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -53,19 +60,6 @@ def test_span_prompts_work_through_every_tokenizer_worker(multi_tokenizer_server
     assert bad.status_code == 400 and "hidden size 32" in bad.json()["message"]
 
 
-def _rows_to_scheduler_by_worker(url: str) -> dict[int, dict]:
-    """``rows_to_scheduler`` of both tokenizer workers (asked until each has answered)."""
-    seen: dict[int, dict] = {}
-    for _ in range(20):
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            for info in pool.map(lambda _: requests.get(url + "/sgl_embeds/info", timeout=60).json(), range(32)):
-                seen[info["http_worker_pid"]] = info["rows_to_scheduler"]
-        if len(seen) == 2:
-            return seen
-        time.sleep(0.5)
-    raise AssertionError(f"expected both tokenizer workers to answer, saw {sorted(seen)}")
-
-
 def test_a_kept_span_crosses_once_per_worker_to_the_one_scheduler(multi_tokenizer_server, llama_server):
     """Each HTTP worker keeps the span and hands its rows to the shared scheduler once; the
     scheduler's copy serves both (srt/transport.py: one copy, a keeper per worker)."""
@@ -75,7 +69,7 @@ def test_a_kept_span_crosses_once_per_worker_to_the_one_scheduler(multi_tokenize
     inline = body([text("the"), span(rows), text(" is")], 6, keep_spans=True)
     by_handle = body([text("the"), {"type": "embeds", "embeds": {"handle": keys.span_handle(rows)}}, text(" is")], 6)
     expected = generate(llama_server, body([text("the"), span(rows), text(" is")], 6))["output_ids"]
-    before = _rows_to_scheduler_by_worker(url)
+    before = {pid: info["rows_to_scheduler"] for pid, info in _info_by_worker(url).items()}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         kept = list(pool.map(lambda _: multi_tokenizer_server.generate(inline), range(16)))
         again = list(pool.map(lambda _: multi_tokenizer_server.generate(by_handle), range(16)))
@@ -83,7 +77,7 @@ def test_a_kept_span_crosses_once_per_worker_to_the_one_scheduler(multi_tokenize
     served = [r for r in again if r.status_code == 200]  # a worker that got no inline request refuses
     assert served and all(r.json()["output_ids"] == expected for r in served)
     assert all(r.json()["type"] == keys.UNKNOWN_HANDLE_TYPE for r in again if r.status_code != 200)
-    after = _rows_to_scheduler_by_worker(url)
+    after = {pid: info["rows_to_scheduler"] for pid, info in _info_by_worker(url).items()}
     sent = {pid: after[pid]["rows_sent"] - before[pid]["rows_sent"] for pid in after}
     left_out = sum(after[pid]["rows_left_out"] - before[pid]["rows_left_out"] for pid in after)
     assert set(sent.values()) <= {0, 12} and sum(sent.values()) >= 12  # once per worker that kept it
