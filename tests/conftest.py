@@ -1,7 +1,8 @@
 """Shared fixtures: test models built once per run, one real SGLang server per configuration.
 
-Servers are session-scoped and always stopped by their own pid; tests marked ``server`` use them.
-The quick edit-test loop is ``pytest -m "not server"``.
+Shared servers live in one session pool (``servers``): each starts when a test first needs it,
+those a test needs together start together, and all stop together at the end, by their own pids.
+Tests that use a server are marked ``server``; the quick edit-test loop is ``pytest -m "not server"``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
-from sgl_embeds.testing.server import Gateway, Server, free_port, start_all
+from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -28,104 +29,107 @@ def qwen_dir():
     return tiny_model_dir("qwen2")
 
 
-def _serve(model_dir, extra=()):
-    server = Server(model_dir, extra_args=list(extra))
-    server.start()
-    return server
-
-
-@pytest.fixture(scope="session")
-def llama_server(llama_dir):
-    # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
-    # allowed whitespace until max_new_tokens (tests/test_compat_constrained.py)
-    server = _serve(llama_dir, ["--enable-cache-report", "--constrained-json-disable-any-whitespace"])
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def qwen_server(qwen_dir):
+def _qwen_with_events() -> Server:
     """Also publishes metrics and radix-cache events (ZMQ on loopback, ``kv_events_port``):
     tests/test_compat_metrics.py reads them."""
     port = free_port()
     events = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:%d", "bind": true, "topic": "kv"}' % port
-    server = _serve(qwen_dir, ["--enable-metrics", "--enable-cache-report", "--kv-events-config", events])
+    server = Server(tiny_model_dir("qwen2"), extra_args=["--enable-metrics", "--enable-cache-report", "--kv-events-config", events])
     server.kv_events_port = port
-    yield server
-    server.stop()
+    return server
 
 
 @pytest.fixture(scope="session")
-def constrained_server(llama_dir):
-    server = _serve(llama_dir, CONSTRAINED_ARGS)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def demo_server():
-    """The demo model (SmolLM2-135M-Instruct, float32): for tutorials whose answers must be right."""
-    server = _serve(demo_model_dir())
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def gateway(llama_dir):
-    """SGLang's gateway (smg, cache-aware policy) in front of two fresh plugin workers: the
-    gateway's ``url`` and its ``workers`` (``Server`` objects), all three stopped by pid."""
-    workers = start_all([Server(llama_dir, extra_args=["--enable-cache-report"]) for _ in range(2)])
-    gw = Gateway([w.url for w in workers])
-    try:
-        gw.start()
-    except BaseException:
-        for w in workers:
-            w.stop()
-        raise
-    gw.workers = workers
-    yield gw
-    gw.stop()
-    for w in workers:
-        w.stop()
-
-
-def _split_llava(arch, tmp_path_factory):
+def llava_dirs(tmp_path_factory):
+    """``llava_dirs(arch)``: (checkpoint dir, split dir) of the tiny LLaVA whose language model is
+    ``arch``, split on first use."""
     from sgl_embeds.vlm import split
 
-    src = tiny_llava_dir(arch)
-    dst = tmp_path_factory.mktemp(f"llava-{arch}-split")
-    split(src, dst, log=lambda message: None)
-    return src, dst
+    made = {}
+
+    def dirs(arch: str):
+        if arch not in made:
+            src, dst = tiny_llava_dir(arch), tmp_path_factory.mktemp(f"llava-{arch}-split")
+            split(src, dst, log=lambda message: None)
+            made[arch] = (src, dst)
+        return made[arch]
+
+    return dirs
 
 
 @pytest.fixture(scope="session")
-def llava_llama(tmp_path_factory):
+def servers(llava_dirs):
+    """The session's servers by name, each started when a test first asks for it (several asked
+    for at once start together) and all stopped together at the end."""
+    pool = ServerPool({
+        # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
+        # allowed whitespace until max_new_tokens (tests/test_compat_constrained.py)
+        "llama": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report", "--constrained-json-disable-any-whitespace"]),
+        "qwen": _qwen_with_events,
+        "constrained": lambda: Server(tiny_model_dir("llama"), extra_args=CONSTRAINED_ARGS),
+        # the demo model (SmolLM2-135M-Instruct, float32): for tutorials whose answers must be right
+        "demo": lambda: Server(demo_model_dir()),
+        "llava_llama": lambda: Server(llava_dirs("llama")[1] / "llm", extra_args=["--enable-cache-report"]),
+        "llava_qwen": lambda: Server(llava_dirs("qwen2")[1] / "llm", extra_args=["--enable-cache-report"]),
+        "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
+        "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
+    })
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_server(servers):
+    return servers.get("llama")[0]
+
+
+@pytest.fixture(scope="session")
+def qwen_server(servers):
+    return servers.get("qwen")[0]
+
+
+@pytest.fixture(scope="session")
+def constrained_server(servers):
+    return servers.get("constrained")[0]
+
+
+@pytest.fixture(scope="session")
+def demo_server(servers):
+    return servers.get("demo")[0]
+
+
+@pytest.fixture(scope="session")
+def gateway(servers):
+    """SGLang's gateway (smg, cache-aware policy) in front of two plugin workers of its own: the
+    gateway's ``url`` and its ``workers`` (``Server`` objects)."""
+    gw = Gateway([w.url for w in servers.get("gateway_worker_0", "gateway_worker_1")]).start()
+    gw.workers = servers.get("gateway_worker_0", "gateway_worker_1")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def llava_llama(llava_dirs):
     """(checkpoint dir, split dir) of the tiny LLaVA with the Llama language model."""
-    return _split_llava("llama", tmp_path_factory)
+    return llava_dirs("llama")
 
 
 @pytest.fixture(scope="session")
-def llava_qwen(tmp_path_factory):
-    return _split_llava("qwen2", tmp_path_factory)
+def llava_qwen(llava_dirs):
+    return llava_dirs("qwen2")
 
 
 @pytest.fixture(scope="session")
-def llava_llama_server(llava_llama):
-    server = _serve(llava_llama[1] / "llm", ["--enable-cache-report"])
-    yield server
-    server.stop()
+def llava_llama_server(servers):
+    return servers.get("llava_llama")[0]
 
 
 @pytest.fixture(scope="session")
-def llava_qwen_server(llava_qwen):
-    server = _serve(llava_qwen[1] / "llm", ["--enable-cache-report"])
-    yield server
-    server.stop()
-
-
+def llava_qwen_server(servers):
+    return servers.get("llava_qwen")[0]
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if any(name.endswith("_server") or name == "gateway" for name in getattr(item, "fixturenames", ())):
+        if any(name.endswith("_server") or name in ("gateway", "servers") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)

@@ -8,23 +8,27 @@ import pytest
 
 from helpers import body, generate, seeded_rows, span, text
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server
+from sgl_embeds.testing.server import Server, start_all, stop_all
 
 pytestmark = pytest.mark.server
 A = "the red fox near the house and the small dog"
 B = " describe it"
 
 
-@pytest.fixture(scope="module", params=[16, 4])
-def paged_server(request, llama_dir):
-    server = Server(llama_dir, extra_args=["--page-size", str(request.param), "--enable-cache-report"]).start()
-    server.page_size = request.param
-    yield server
-    server.stop()
+PAGE_SIZES = (16, 4)
 
 
-def test_span_prompts_hit_in_whole_pages_and_equal_page_size_one(paged_server, llama_server, llama_dir):
-    page = paged_server.page_size
+@pytest.fixture(scope="module")
+def paged_servers(llama_dir):
+    """A server per page size, started together."""
+    servers = start_all([Server(llama_dir, extra_args=["--page-size", str(page), "--enable-cache-report"]) for page in PAGE_SIZES])
+    yield dict(zip(PAGE_SIZES, servers))
+    stop_all(servers)
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_span_prompts_hit_in_whole_pages_and_equal_page_size_one(page, paged_servers, llama_server, llama_dir):
+    paged_server = paged_servers[page]
     n_a = len(ref.hf_tokenizer(str(llama_dir)).encode(A))
     E, F = seeded_rows(600 + page, 40), seeded_rows(700 + page, 40)
     prompt = [text(A), span(E), text(B)]

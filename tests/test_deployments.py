@@ -1,5 +1,6 @@
-"""Deployment shapes: --api-key covers every new route; the plugin works in every scheduler of a
-data-parallel server (--dp-size 2 on CPU)."""
+"""Deployment shapes, on one keyed data-parallel server (``--api-key``, ``--dp-size 2`` on CPU)
+and one bfloat16 server, started together: the key covers every new route, the plugin works in
+every scheduler, full-prompt embeds keep the cache on a bfloat16 model."""
 
 from __future__ import annotations
 
@@ -10,20 +11,27 @@ import torch
 from helpers import body, seeded_rows, span, text
 from sgl_embeds import wire
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server, on_cpu
+from sgl_embeds.testing.server import Server, on_cpu, start_all, stop_all
 
 pytestmark = pytest.mark.server
 KEY = "test-secret-key"
 
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
-def keyed_server(llama_dir):
-    server = Server(llama_dir, extra_args=["--api-key", KEY]).start()
-    yield server
-    server.stop()
+def deployments(llama_dir):
+    # on CPU each data-parallel rank needs its own cores (one NUMA node here): one core each
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if on_cpu() else {}
+    keyed_dp = Server(llama_dir, extra_args=["--api-key", KEY, "--dp-size", "2", "--load-balance-method", "round_robin"], env=env)
+    bf16 = Server(llama_dir, dtype="bfloat16")
+    yield dict(zip(("keyed_dp", "bf16"), start_all([keyed_dp, bf16], timeout=400)))
+    stop_all([keyed_dp, bf16])
 
 
-def test_api_key_covers_span_generate_info_handles_and_openai_routes(keyed_server):
+def test_api_key_covers_span_generate_info_handles_and_openai_routes(deployments):
+    keyed_server = deployments["keyed_dp"]
     rows = torch.randn(3, 64) * 0.05
     calls = [
         ("post", "/generate", body([text("a"), span(rows)], 2)),
@@ -38,7 +46,7 @@ def test_api_key_covers_span_generate_info_handles_and_openai_routes(keyed_serve
         url = keyed_server.url + path
         anonymous = getattr(requests, method)(url, json=payload, timeout=60)
         wrong = getattr(requests, method)(url, json=payload, headers={"Authorization": "Bearer nope"}, timeout=60)
-        right = getattr(requests, method)(url, json=payload, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        right = getattr(requests, method)(url, json=payload, headers=AUTH, timeout=60)
         assert anonymous.status_code == 401 and wrong.status_code == 401, (path, anonymous.status_code, wrong.status_code)
         assert right.status_code == (404 if method == "delete" else 200), (path, right.text[:300])
     # a malformed span is refused by auth first: no decoding work for anonymous clients
@@ -46,20 +54,13 @@ def test_api_key_covers_span_generate_info_handles_and_openai_routes(keyed_serve
     assert bad.status_code == 401
 
 
-@pytest.fixture(scope="module")
-def dp_server(llama_dir):
-    # on CPU each data-parallel rank needs its own cores (one NUMA node here): one core each
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if on_cpu() else {}
-    server = Server(llama_dir, extra_args=["--dp-size", "2", "--load-balance-method", "round_robin"], env=env).start(timeout=400)
-    yield server
-    server.stop()
-
-
-def test_plugin_is_active_in_every_data_parallel_scheduler(dp_server, llama_dir):
+def test_plugin_is_active_in_every_data_parallel_scheduler(deployments, llama_dir):
+    dp_server = deployments["keyed_dp"]
     parts = ["the quick fox", seeded_rows(77, 9), " is"]
     from helpers import reference_embeds, to_segments, with_other_spans
 
-    outs = [requests.post(dp_server.url + "/generate", json=body(to_segments(parts), 8), timeout=120).json() for _ in range(6)]
+    outs = [requests.post(dp_server.url + "/generate", json=body(to_segments(parts), 8), headers=AUTH, timeout=120).json()
+            for _ in range(6)]
     ranks = {o["meta_info"].get("dp_rank") for o in outs}
     assert ranks == {0, 1}, ranks  # both schedulers served span prompts
     for o in outs:
@@ -70,14 +71,8 @@ def test_plugin_is_active_in_every_data_parallel_scheduler(dp_server, llama_dir)
         assert max(cached[1:]) >= 9 + 3, (rank, cached)
 
 
-@pytest.fixture(scope="module")
-def bf16_server(llama_dir):
-    server = Server(llama_dir, dtype="bfloat16").start()
-    yield server
-    server.stop()
-
-
-def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(bf16_server, llama_dir):
+def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(deployments, llama_dir):
+    bf16_server = deployments["bf16"]
     x = seeded_rows(8, 12)
     payload = {"input_embeds": wire.encode_tensor(x, "base64", "float32"), "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     first = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()

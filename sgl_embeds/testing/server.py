@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -85,6 +85,7 @@ class Server:
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    _pgid: int | None = field(default=None, repr=False)  # set while it is being stopped
 
     @property
     def url(self) -> str:
@@ -142,19 +143,27 @@ class Server:
 
     def stop(self) -> None:
         """Stop the server's whole process group (its scheduler/detokenizer children too)."""
-        if self.proc is None or self.proc.poll() is not None:
+        self._ask_to_stop()
+        self._wait_stopped()
+
+    def _ask_to_stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._pgid = os.getpgid(self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)  # the server drains (~5 s) and stops its own children
+
+    def _wait_stopped(self) -> None:
+        if self.proc is None or self._pgid is None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        self.proc.send_signal(signal.SIGTERM)  # the server stops its own children
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
         try:  # anything of its session that outlived it (same group: started by us)
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(self._pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self._pgid = None
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -174,10 +183,38 @@ def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[S
         futures = [pool.submit(s.start, timeout) for s in servers]
         errors = [f.exception() for f in futures]
     if any(errors):
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         raise next(e for e in errors if e)
     return servers
+
+
+def stop_all(servers: list[Server]) -> None:
+    """Stop several servers at once: each drains for a few seconds, so they drain together."""
+    for s in servers:
+        s._ask_to_stop()
+    for s in servers:
+        s._wait_stopped()
+
+
+class ServerPool:
+    """Servers by name, each started at most once and kept until ``stop``: ``get`` starts the
+    ones of its names not yet running together (their startups overlap), ``stop`` stops all
+    together. ``makers`` builds each named ``Server`` (unstarted) when it is first asked for."""
+
+    def __init__(self, makers: dict[str, Callable[[], Server]]):
+        self.makers = makers
+        self.running: dict[str, Server] = {}
+
+    def get(self, *names: str) -> list[Server]:
+        missing = [name for name in names if name not in self.running]
+        if missing:
+            started = start_all([self.makers[name]() for name in missing])
+            self.running.update(zip(missing, started))
+        return [self.running[name] for name in names]
+
+    def stop(self) -> None:
+        stop_all(list(self.running.values()))
+        self.running.clear()
 
 
 def smg_binary() -> str:

@@ -1,0 +1,55 @@
+"""The test servers' pool: each server starts once, those asked for together start together, and
+all are asked to stop before any is waited for (no processes: the servers here only record)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sgl_embeds.testing.server import Server, ServerPool, ServerStartError
+
+
+class RecordingServer(Server):
+    """Records start / stop calls; ``start`` waits at ``barrier`` so overlapping starts are seen."""
+
+    def __init__(self, name: str, log: list, barrier: threading.Barrier | None = None, fails: bool = False):
+        super().__init__(model_dir=name)
+        self.name, self.log, self.barrier, self.fails = name, log, barrier, fails
+
+    def start(self, timeout: float = 0) -> "RecordingServer":
+        self.log.append(("start", self.name))
+        if self.barrier is not None:
+            self.barrier.wait()  # raises BrokenBarrierError unless the other start runs meanwhile
+        if self.fails:
+            raise ServerStartError(f"{self.name} failed")
+        return self
+
+    def _ask_to_stop(self) -> None:
+        self.log.append(("ask", self.name))
+
+    def _wait_stopped(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_servers_asked_for_together_start_together_once_and_stop_together():
+    log: list = []
+    together = threading.Barrier(2, timeout=5)
+    pool = ServerPool({name: (lambda name=name: RecordingServer(name, log, together)) for name in "ab"}
+                      | {"c": lambda: RecordingServer("c", log)})
+    a, b = pool.get("a", "b")
+    assert (a.name, b.name) == ("a", "b") and sorted(log) == [("start", "a"), ("start", "b")]
+    assert pool.get("b", "c")[0] is b and log[2:] == [("start", "c")]  # b is not started again
+    log.clear()
+    pool.stop()
+    assert log == [("ask", "a"), ("ask", "b"), ("ask", "c"), ("wait", "a"), ("wait", "b"), ("wait", "c")]
+    assert pool.running == {}
+
+
+def test_a_failed_start_stops_the_servers_started_with_it():
+    log: list = []
+    both = threading.Barrier(2, timeout=5)
+    pool = ServerPool({"ok": lambda: RecordingServer("ok", log, both), "bad": lambda: RecordingServer("bad", log, both, fails=True)})
+    with pytest.raises(ServerStartError, match="bad failed"):
+        pool.get("ok", "bad")
+    assert ("ask", "ok") in log and ("wait", "ok") in log and pool.running == {}
