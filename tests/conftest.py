@@ -78,32 +78,27 @@ def servers(llava_dirs):
     pool.stop()
 
 
-@pytest.fixture(scope="session")
-def llama_server(servers):
-    return servers.get("llama")[0]
+def _pooled(name: str):
+    """The session fixture ``<name>_server``: the pool's server ``name``."""
+
+    @pytest.fixture(scope="session", name=f"{name}_server")
+    def server(servers):
+        return servers.get(name)[0]
+
+    return server
 
 
-@pytest.fixture(scope="session")
-def qwen_server(servers):
-    return servers.get("qwen")[0]
-
-
-@pytest.fixture(scope="session")
-def constrained_server(servers):
-    return servers.get("constrained")[0]
-
-
-@pytest.fixture(scope="session")
-def demo_server(servers):
-    return servers.get("demo")[0]
+llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server = map(
+    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen"])
 
 
 @pytest.fixture(scope="session")
 def gateway(servers):
     """SGLang's gateway (smg, cache-aware policy) in front of two plugin workers of its own: the
     gateway's ``url`` and its ``workers`` (``Server`` objects)."""
-    gw = Gateway([w.url for w in servers.get("gateway_worker_0", "gateway_worker_1")]).start()
-    gw.workers = servers.get("gateway_worker_0", "gateway_worker_1")
+    workers = servers.get("gateway_worker_0", "gateway_worker_1")
+    gw = Gateway([w.url for w in workers]).start()
+    gw.workers = workers
     yield gw
     gw.stop()
 
@@ -117,16 +112,6 @@ def llava_llama(llava_dirs):
 @pytest.fixture(scope="session")
 def llava_qwen(llava_dirs):
     return llava_dirs("qwen2")
-
-
-@pytest.fixture(scope="session")
-def llava_llama_server(servers):
-    return servers.get("llava_llama")[0]
-
-
-@pytest.fixture(scope="session")
-def llava_qwen_server(servers):
-    return servers.get("llava_qwen")[0]
 
 
 def pytest_collection_modifyitems(items):
