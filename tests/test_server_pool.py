@@ -25,8 +25,9 @@ class RecordingServer(Server):
             raise ServerStartError(f"{self.name} failed")
         return self
 
-    def _ask_to_stop(self) -> None:
+    def _ask_to_stop(self) -> bool:
         self.log.append(("ask", self.name))
+        return True
 
     def _wait_stopped(self) -> None:
         self.log.append(("wait", self.name))

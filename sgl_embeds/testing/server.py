@@ -85,7 +85,6 @@ class Server:
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
-    _pgid: int | None = field(default=None, repr=False)  # set while it is being stopped
 
     @property
     def url(self) -> str:
@@ -143,27 +142,26 @@ class Server:
 
     def stop(self) -> None:
         """Stop the server's whole process group (its scheduler/detokenizer children too)."""
-        self._ask_to_stop()
-        self._wait_stopped()
+        if self._ask_to_stop():
+            self._wait_stopped()
 
-    def _ask_to_stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self._pgid = os.getpgid(self.proc.pid)
-            self.proc.send_signal(signal.SIGTERM)  # the server drains (~5 s) and stops its own children
+    def _ask_to_stop(self) -> bool:
+        """SIGTERM, if it is running: the server drains (~5 s) and stops its own children."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(signal.SIGTERM)
+        return True
 
     def _wait_stopped(self) -> None:
-        if self.proc is None or self._pgid is None:
-            return
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        try:  # anything of its session that outlived it (same group: started by us)
-            os.killpg(self._pgid, signal.SIGKILL)
+        try:  # anything of its session that outlived it (start_new_session: its group id is its pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self._pgid = None
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -190,9 +188,7 @@ def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[S
 
 def stop_all(servers: list[Server]) -> None:
     """Stop several servers at once: each drains for a few seconds, so they drain together."""
-    for s in servers:
-        s._ask_to_stop()
-    for s in servers:
+    for s in [s for s in servers if s._ask_to_stop()]:
         s._wait_stopped()
 
 
