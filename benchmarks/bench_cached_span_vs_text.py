@@ -36,10 +36,10 @@ from sglang.utils import http_request
 
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
-from sgl_embeds import keys, wire
+from sgl_embeds_srt import keys, wire
 from sgl_embeds.backend import EmbedsEndpoint, SentSpans
-from sgl_embeds.segments import Embeds, Ids
-from sgl_embeds.srt.placeholders import placeholder_ids
+from sgl_embeds_srt.segments import Embeds, Ids
+from sgl_embeds_srt.placeholders import placeholder_ids
 
 SIDES = ["text ids", "span inline", "span by handle", "span by handle, rows to the scheduler every time",
          "EmbedsEndpoint.run", "program"]

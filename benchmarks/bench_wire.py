@@ -17,8 +17,8 @@ import orjson
 import torch
 
 from common import demo_dir, commit, machine, provenance, post, save, server, table
-from sgl_embeds import wire
-from sgl_embeds.srt.parse import segments_from_wire
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.parse import segments_from_wire
 
 FORMATS = [("json", None), ("base64", "float32"), ("base64", "float16"), ("base64", "bfloat16")]
 

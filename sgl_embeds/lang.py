@@ -18,8 +18,8 @@ import sglang as sgl
 import torch
 from sglang.lang.ir import SglArgument, SglExpr, SglImage
 
-from sgl_embeds import segments as seg
-from sgl_embeds import wire
+from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt import wire
 
 _TABLE = "_sgl_embeds_spans"
 _IMAGES = "_sgl_embeds_images"
@@ -201,7 +201,7 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
     """Our hooks of SGLang's interpreter: target (see ``srt/targets.py``) -> (hook type, function)."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds.srt import targets
+    from sgl_embeds_srt import targets
 
     return {targets.EXECUTE: (HookType.AROUND, execute), targets.FORK: (HookType.AROUND, fork)}
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sgl_embeds.lru import TensorLRU
+from sgl_embeds_srt.lru import TensorLRU
 
 # Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
 DEFAULT_MEAN_COLOR = (123, 117, 104)
@@ -142,7 +142,7 @@ def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> to
 
 
 def checked_rows(out: Any) -> torch.Tensor:
-    from sgl_embeds import wire
+    from sgl_embeds_srt import wire
 
     t = wire.as_2d_tensor(out)
     wire.check_tensor(t)

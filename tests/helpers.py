@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_embeds import wire
+from sgl_embeds_srt import wire
 from sgl_embeds.testing import reference as ref
 
 GREEDY = {"temperature": 0.0}

@@ -13,8 +13,9 @@ import torch
 from sglang.lang.backend import runtime_endpoint
 
 from sgl_embeds import backend as backend_module
-from sgl_embeds import keys, lang
-from sgl_embeds import segments as seg
+from sgl_embeds import lang
+from sgl_embeds_srt import keys
+from sgl_embeds_srt import segments as seg
 from sgl_embeds.backend import EmbedsEndpoint, SentSpans
 
 HIDDEN = 8

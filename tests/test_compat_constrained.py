@@ -15,7 +15,7 @@ import sglang as sgl
 
 from helpers import generate, span, text
 from sgl_embeds import EmbedsEndpoint
-from sgl_embeds import segments as seg
+from sgl_embeds_srt import segments as seg
 from sgl_embeds.testing import reference as ref
 
 pytestmark = pytest.mark.server
@@ -66,7 +66,7 @@ def test_program_gen_with_regex_and_a_span(llama_server, llama_dir):
 
 
 def test_openai_response_format_with_span_parts(llama_server, llama_dir):
-    from sgl_embeds import wire
+    from sgl_embeds_srt import wire
 
     client = openai.OpenAI(base_url=llama_server.url + "/v1", api_key="none", max_retries=0)
     rows = ref.embed_ids(llama_dir, ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False))

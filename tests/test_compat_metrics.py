@@ -12,7 +12,7 @@ import requests
 import zmq
 
 from helpers import body, generate, seeded_rows, span, text
-from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE, placeholder_ids
+from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, placeholder_ids
 
 
 def _counter(metrics: str, name: str) -> float:

@@ -63,7 +63,7 @@ def test_span_prompts_work_through_every_tokenizer_worker(multi_tokenizer_server
 def test_a_kept_span_crosses_once_per_worker_to_the_one_scheduler(multi_tokenizer_server, llama_server):
     """Each HTTP worker keeps the span and hands its rows to the shared scheduler once; the
     scheduler's copy serves both (srt/transport.py: one copy, a keeper per worker)."""
-    from sgl_embeds import keys
+    from sgl_embeds_srt import keys
 
     url, rows = multi_tokenizer_server.url, seeded_rows(1611, 12)
     inline = body([text("the"), span(rows), text(" is")], 6, keep_spans=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sgl_embeds.cpu.attention import sdpa_forward_extend
+from sgl_embeds_srt.cpu.attention import sdpa_forward_extend
 
 STOCK = TorchNativeAttnBackend._run_sdpa_forward_extend
 STOCK = getattr(STOCK, "__wrapped__", STOCK)  # the unpatched method if the plugin hooked it

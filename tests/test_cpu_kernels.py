@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from sgl_embeds.cpu import kernels
+from sgl_embeds_srt.cpu import kernels
 
 
 def test_assign_req_to_token_pool_matches_reference():
@@ -38,7 +38,7 @@ def test_copy_all_layer_kv_cache_matches_reference_including_overlap():
 
 
 def test_unimplemented_op_raises_naming_the_op():
-    from sgl_embeds.cpu.kernels import decode_attention_cpu  # any name imports
+    from sgl_embeds_srt.cpu.kernels import decode_attention_cpu  # any name imports
 
     with pytest.raises(NotImplementedError, match="sgl_kernel.decode_attention_cpu"):
         decode_attention_cpu(1, 2)
@@ -53,12 +53,12 @@ def _run(code: str, path_extra: str = "") -> str:
 
 def test_fallback_is_importable_as_sgl_kernel_when_none_is_installed():
     out = _run("import sgl_kernel, sgl_kernel.mamba; print(sgl_kernel.__file__); print(sgl_kernel.assign_req_to_token_pool_cpu.__module__)")
-    assert out.splitlines()[0].endswith("sgl_embeds/cpu/kernels.py")
+    assert out.splitlines()[0].endswith("sgl_embeds_srt/cpu/kernels.py")
 
 
 def test_a_real_sgl_kernel_wins_over_the_fallback(tmp_path):
     real = tmp_path / "sgl_kernel"
     real.mkdir()
     (real / "__init__.py").write_text("REAL = True\n")
-    out = _run("import sgl_embeds.cpu.finder, sgl_kernel; print(getattr(sgl_kernel, 'REAL', False))", str(tmp_path))
+    out = _run("import sgl_embeds_srt.cpu.finder, sgl_kernel; print(getattr(sgl_kernel, 'REAL', False))", str(tmp_path))
     assert out == "True"

@@ -9,7 +9,7 @@ import requests
 import torch
 
 from helpers import body, generate, span, text
-from sgl_embeds import wire
+from sgl_embeds_srt import wire
 
 GOOD = torch.randn(3, 64) * 0.05
 

@@ -12,8 +12,8 @@ import pytest
 import requests
 
 from helpers import seeded_rows, span, text
-from sgl_embeds.srt import scheduler, token_ids
-from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE
+from sgl_embeds_srt import scheduler, token_ids
+from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
 
 VOCAB = 507  # the tiny Llama's (its tokenizer's size; checked against the server below)
 

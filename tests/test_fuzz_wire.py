@@ -9,8 +9,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_embeds import wire
-from sgl_embeds.srt.parse import segments_from_wire
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.parse import segments_from_wire
 
 LIMIT = 1 << 20
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))

@@ -18,9 +18,9 @@ from sglang.lang.backend import runtime_endpoint
 
 from helpers import GREEDY, body, seeded_rows, span, text
 from sgl_embeds import backend as backend_module
-from sgl_embeds import keys, wire
+from sgl_embeds_srt import keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds.segments import Embeds, Text
+from sgl_embeds_srt.segments import Embeds, Text
 from sgl_embeds.testing.server import Gateway
 
 

@@ -7,8 +7,8 @@ import requests
 import torch
 
 from helpers import body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
-from sgl_embeds import wire
-from sgl_embeds.srt.handles import SpanStore
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds.testing import reference as ref
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from sgl_embeds.srt import http
+from sgl_embeds_srt import http
 
 
 def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
@@ -78,7 +78,7 @@ def test_span_bodies_go_to_the_registered_handler(monkeypatch):
 def test_a_stock_request_reaches_the_stock_route_with_its_rows_on_the_request_state(monkeypatch):
     from starlette.requests import Request
 
-    from sgl_embeds.srt import openai
+    from sgl_embeds_srt import openai
 
     rows = object()
 

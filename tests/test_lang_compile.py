@@ -9,7 +9,7 @@ import torch
 
 import sgl_embeds
 from sgl_embeds import lang
-from sgl_embeds import segments as seg
+from sgl_embeds_srt import segments as seg
 
 
 def _run_fill_only(program, **kwargs):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
-from sgl_embeds import wire
+from sgl_embeds_srt import wire
 from sgl_embeds.testing import reference as ref
 
 

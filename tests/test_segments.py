@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_embeds import segments as seg
-from sgl_embeds import wire
-from sgl_embeds.srt.parse import segments_from_wire
-from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE, is_placeholder, placeholder_ids
+from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.parse import segments_from_wire
+from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder, placeholder_ids
 
 
 def test_placeholders_depend_only_on_row_content_as_the_model_sees_it():

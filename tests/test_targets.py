@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sgl_embeds import lang
-from sgl_embeds.srt import plugin, targets
+from sgl_embeds_srt import plugin, targets
 
 
 def test_pinned_sglang_version_is_installed():
@@ -12,7 +12,7 @@ def test_pinned_sglang_version_is_installed():
 
 def test_every_patch_target_is_present_in_the_installed_sglang():
     missing = targets.missing_targets()
-    assert not missing, "SGLang internals moved; update sgl_embeds/srt/targets.py:\n" + "\n".join(missing)
+    assert not missing, "SGLang internals moved; update sgl_embeds_srt/targets.py:\n" + "\n".join(missing)
 
 
 def test_a_moved_target_is_reported_by_path(monkeypatch):
@@ -30,4 +30,4 @@ def test_plugin_entry_point_is_declared():
     from importlib.metadata import entry_points
 
     names = {ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert "sgl_embeds.srt.plugin:register" in names
+    assert "sgl_embeds_srt.plugin:register" in names

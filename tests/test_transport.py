@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_embeds.srt import scheduler, transport
-from sgl_embeds.srt.transport import HandleTransport, SchedulerRows, SpanEmbeds, span_embeds
+from sgl_embeds_srt import scheduler, transport
+from sgl_embeds_srt.transport import HandleTransport, SchedulerRows, SpanEmbeds, span_embeds
 
 HIDDEN = 8
 

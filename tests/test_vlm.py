@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 import sgl_embeds
-from sgl_embeds import segments as seg
-from sgl_embeds.srt.placeholders import is_placeholder
-from sgl_embeds.srt.prompts import ModelSpec, build_ids
+from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt.placeholders import is_placeholder
+from sgl_embeds_srt.prompts import ModelSpec, build_ids
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds.testing.models import tiny_llava_dir

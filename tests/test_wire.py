@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_embeds import wire
+from sgl_embeds_srt import wire
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from sgl_embeds import wire
-from sgl_embeds.keys import span_handle
-from sgl_embeds.lru import TensorLRU, nbytes
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.keys import span_handle
+from sgl_embeds_srt.lru import TensorLRU, nbytes
 
 PATH = "/sgl_embeds/spans"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.srt import parse, prompts, token_ids
+from sgl_embeds_srt import parse, prompts, token_ids
 
 _RENAMED = {"prompt": "text"}
 

@@ -1,6 +1,6 @@
 """Reference implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU path calls.
 
-Loaded as the module ``sgl_kernel`` by ``sgl_embeds.cpu.finder``. Each op mirrors the meaning
+Loaded as the module ``sgl_kernel`` by ``sgl_embeds_srt.cpu.finder``. Each op mirrors the meaning
 of SGLang's Triton kernel of the same name. Any other name imported from here is a stub that
 raises ``NotImplementedError`` naming the op when it is called, never a silent no-op.
 """

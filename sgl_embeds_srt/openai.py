@@ -24,11 +24,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sgl_embeds import segments as seg
-from sgl_embeds import wire
-from sgl_embeds.keys import is_routing_text
-from sgl_embeds.srt import parse, prompts
-from sgl_embeds.srt.handles import SpanStore, UnknownSpanHandle
+from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.keys import is_routing_text
+from sgl_embeds_srt import parse, prompts
+from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 PART_TYPE = "input_embeds"
 ROWS_STATE_KEY = "sgl_embeds_rows"  # where the span rows wait on the request's state

@@ -1,4 +1,4 @@
-"""``python -m sgl_embeds.cpu.check``: prove the environment can run SGLang here.
+"""``python -m sgl_embeds_srt.cpu.check``: prove the environment can run SGLang here.
 
 Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU, and the
 plugin's patch targets; exits non-zero with the reason if anything is missing.
@@ -18,7 +18,7 @@ def main() -> int:
     print(f"sgl_kernel: {origin}")
     import sglang.srt.mem_cache.allocation  # noqa: F401  (imports a CPU op at import time)
 
-    from sgl_embeds.srt import targets
+    from sgl_embeds_srt import targets
 
     missing = targets.missing_targets()
     if missing:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sgl_embeds import wire
-from sgl_embeds.keys import is_routing_text
-from sgl_embeds.segments import Embeds, Ids, Segment, Text
-from sgl_embeds.srt.handles import SpanStore, UnknownSpanHandle
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.keys import is_routing_text
+from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
+from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
 # Server-side media a multimodal model expands into its own tokens; not combined with spans.
@@ -100,7 +100,7 @@ def parse_prompts(body: dict, max_bytes: int, store: SpanStore | None = None) ->
         raise ValueError("give either input_segments or input_embeds, not both")
     if body.get("text") is not None and not is_routing_text(body["text"]):
         raise ValueError("text cannot be combined with input_segments/input_embeds (except a gateway "
-                         "routing hint, see sgl_embeds.keys): put the text in input_segments instead")
+                         "routing hint, see sgl_embeds_srt.keys): put the text in input_segments instead")
     if body.get("input_ids") is not None:
         raise ValueError("input_ids cannot be combined with input_segments/input_embeds: "
                          "put the ids in input_segments instead")

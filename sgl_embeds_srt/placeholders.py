@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from sgl_embeds.lru import TensorLRU
+from sgl_embeds_srt.lru import TensorLRU
 
 PLACEHOLDER_BASE = 1 << 62
 

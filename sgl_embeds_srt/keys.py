@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 import xxhash
 
-from sgl_embeds.segments import Embeds, Ids, Segment, Text
+from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
 
 HANDLE_PREFIX = "span-"
 # The error "type" of a request naming a handle the server does not hold (the client resends rows)

@@ -1,4 +1,4 @@
-"""Make ``sgl_embeds/cpu/kernels.py`` importable as ``sgl_kernel`` where no real one is installed.
+"""Make ``sgl_embeds_srt/cpu/kernels.py`` importable as ``sgl_kernel`` where no real one is installed.
 
 Run at interpreter start-up by a ``.pth`` file that ``scripts/setup.sh`` writes (by path, so it
 imports nothing of ``sgl_embeds`` itself), so every SGLang process sees it. The finder sits

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from sgl_embeds import wire
-from sgl_embeds.segments import Ids, Segment, Text
-from sgl_embeds.srt.handles import SpanStore
-from sgl_embeds.srt.parse import SPAN_FIELDS, max_request_bytes, parse_prompts
-from sgl_embeds.srt.placeholders import placeholder_ids
-from sgl_embeds.srt.token_ids import check_ids
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.segments import Ids, Segment, Text
+from sgl_embeds_srt.handles import SpanStore
+from sgl_embeds_srt.parse import SPAN_FIELDS, max_request_bytes, parse_prompts
+from sgl_embeds_srt.placeholders import placeholder_ids
+from sgl_embeds_srt.token_ids import check_ids
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
     (``transport.SpanEmbeds``, SGLang's ``PositionalEmbeds`` with each span's handle).
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
-    from sgl_embeds.srt.transport import span_embeds
+    from sgl_embeds_srt.transport import span_embeds
 
     ids: list[int] = []
     rows: list[torch.Tensor] = []

@@ -21,9 +21,9 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from sgl_embeds import wire
-from sgl_embeds.keys import UNKNOWN_HANDLE_TYPE
-from sgl_embeds.srt import handles, openai, parse, prompts, token_ids, transport
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.keys import UNKNOWN_HANDLE_TYPE
+from sgl_embeds_srt import handles, openai, parse, prompts, token_ids, transport
 
 logger = logging.getLogger(__name__)
 

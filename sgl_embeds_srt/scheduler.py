@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.srt.placeholders import PLACEHOLDER_BASE, is_placeholder
-from sgl_embeds.srt.token_ids import first_bad_position
+from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
+from sgl_embeds_srt.token_ids import first_bad_position
 
 _FLAG = "_sgl_embeds_span_prompt"
 

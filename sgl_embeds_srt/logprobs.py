@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds.srt.placeholders import is_placeholder
+from sgl_embeds_srt.placeholders import is_placeholder
 
 
 def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any, *args: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from sgl_embeds.srt.placeholders import is_placeholder
+from sgl_embeds_srt.placeholders import is_placeholder
 
 
 def check_ids(ids: Any, vocab_size: int, where: str) -> None:

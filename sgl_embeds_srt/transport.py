@@ -225,7 +225,7 @@ class _Prepared:
 
 def init_positional_embeds_transport(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     """After SGLang sets up its transport in a tokenizer manager: wrap it (AROUND hook)."""
-    from sgl_embeds.srt.handles import budget_bytes
+    from sgl_embeds_srt.handles import budget_bytes
 
     result = original(self, *args, **kwargs)
     self.positional_embeds_transport = HandleTransport(self.positional_embeds_transport,
