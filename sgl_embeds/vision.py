@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sgl_embeds_srt.lru import TensorLRU
+from sgl_embeds_srt.lru import LRU, nbytes
 
 # Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
 DEFAULT_MEAN_COLOR = (123, 117, 104)
@@ -157,7 +157,7 @@ class EncoderCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
-        self._lru = TensorLRU(max_bytes)
+        self._lru: LRU[torch.Tensor] = LRU(max_bytes, nbytes)
         self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
 
     def encode(self, encoder: VisionEncoder, image: Image.Image, region: Any = None) -> torch.Tensor:

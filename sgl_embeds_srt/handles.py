@@ -22,7 +22,7 @@ import torch
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.keys import span_handle
-from sgl_embeds_srt.lru import TensorLRU, nbytes
+from sgl_embeds_srt.lru import LRU, nbytes
 
 PATH = "/sgl_embeds/spans"
 
@@ -45,7 +45,7 @@ class SpanStore:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._lru = TensorLRU(budget)
+        self._lru: LRU[torch.Tensor] = LRU(budget, nbytes)
 
     def put(self, t: torch.Tensor) -> str:
         t = t.detach().contiguous()

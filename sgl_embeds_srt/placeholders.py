@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from sgl_embeds_srt.lru import TensorLRU
+from sgl_embeds_srt.lru import LRU, nbytes
 
 PLACEHOLDER_BASE = 1 << 62
 
@@ -43,4 +43,4 @@ def placeholder_ids(rows: torch.Tensor, handle: str | None = None) -> list[int]:
 
 
 # A server has one model dtype, so a handle's rows always become the same ids.
-_KEPT = TensorLRU(64 << 20)  # int64 ids: 8M rows
+_KEPT: LRU[torch.Tensor] = LRU(64 << 20, nbytes)  # int64 ids: 8M rows

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
-from sgl_embeds.srt import targets
+from sgl_embeds_srt import targets
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     (Imported here, not at module level: the plugin loads before SGLang's modules are ready.)"""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds.cpu import attention
-    from sgl_embeds.srt import engine, logprobs, openai, scheduler, transport
+    from sgl_embeds_srt.cpu import attention
+    from sgl_embeds_srt import engine, logprobs, openai, scheduler, transport
 
     table = {
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
@@ -38,7 +38,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)
     if http:
-        from sgl_embeds.srt import http as http_side
+        from sgl_embeds_srt import http as http_side
 
         table[targets.LAUNCH_SERVER] = (HookType.BEFORE, http_side.before_launch_server)
     return table
@@ -51,7 +51,7 @@ def register() -> None:
     if version != targets.SGLANG_VERSION:
         logger.warning(
             "sgl_embeds targets SGLang %s but %s is installed: run "
-            "`python -m sgl_embeds.cpu.check` to verify the patch targets",
+            "`python -m sgl_embeds_srt.cpu.check` to verify the patch targets",
             targets.SGLANG_VERSION, version,
         )
     for target, (kind, hook) in hook_table(http=multiprocessing.parent_process() is None).items():
