@@ -179,7 +179,7 @@ class EmbedsEndpoint(RuntimeEndpoint):
     def _encode_span(self, x: Any, checked: bool, where: str) -> tuple[Any, str, bool]:
         """(wire object, routing characters, sent inline?) of one span."""
         t = _checked(x, self.hidden_size, checked, where)
-        sent = wire.as_sent(t, self.wire_format, self.wire_dtype)
+        sent = wire.as_wire_tensor(t, self.wire_format, self.wire_dtype)
         if self.sent is None:
             return wire.encode_tensor(sent, self.wire_format, self.wire_dtype), keys.route_rows(sent), True
         key = SentSpans.key(sent)

@@ -84,7 +84,7 @@ def info(store: handles.SpanStore) -> dict:
     return {
         "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
-        "max_span_bytes": parse.max_request_bytes(), "wire_dtypes": sorted(wire.DTYPES),
+        "max_span_bytes": parse.max_span_bytes(), "wire_dtypes": sorted(wire.DTYPES),
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
         "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
         "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once

@@ -46,7 +46,7 @@ def completions_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | Non
     """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
     if body.get("prompt") not in (None, "", []) and not is_routing_text(body["prompt"]):
         raise ValueError("prompt must be empty (or a gateway routing hint) when input_embeds or input_segments is given")
-    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_request_bytes(), store)
+    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_span_bytes(), store)
     if is_batch:
         raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
     ids, overrides = prompts.build_ids(parsed[0], spec)
@@ -71,14 +71,14 @@ def chat_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = Non
     out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
     keep = parse.keep_spans(body, store)
     if body.get("input_embeds") is not None:
-        span = parse.decode_span(body["input_embeds"], parse.max_request_bytes(), store, keep)
+        span = parse.decode_span(body["input_embeds"], parse.max_span_bytes(), store, keep)
         ids, overrides = prompts.build_ids([span], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
         out["input_ids"] = ids
         return StockRequest(out, overrides)
     spans: list[seg.Embeds] = []
-    budget = parse.max_request_bytes()
+    budget = parse.max_span_bytes()
     messages = []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None

@@ -25,9 +25,9 @@ SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
 MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 
 
-def max_request_bytes() -> int:
+def max_span_bytes() -> int:
     """Decoded float32 bytes allowed in one request's spans (``SGL_EMBEDS_MAX_BYTES``)."""
-    return int(os.environ.get("SGL_EMBEDS_MAX_BYTES", wire.DEFAULT_MAX_BYTES))
+    return int(os.environ.get("SGL_EMBEDS_MAX_BYTES", wire.MAX_SPAN_BYTES))
 
 
 def has_span_fields(body: dict) -> bool:
@@ -56,7 +56,7 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, keep: 
     return Embeds(t, store.put(t) if keep else None)
 
 
-def segments_from_wire(items: Any, max_bytes: int = wire.DEFAULT_MAX_BYTES, store: SpanStore | None = None,
+def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES, store: SpanStore | None = None,
                        keep: bool = False) -> list[Segment]:
     """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
     if not isinstance(items, list) or not items:

@@ -20,7 +20,7 @@ import torch
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.segments import Ids, Segment, Text
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.parse import SPAN_FIELDS, max_request_bytes, parse_prompts
+from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
 from sgl_embeds_srt.token_ids import check_ids
 
@@ -93,7 +93,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:
     """Replace the span fields of a ``/generate``-shaped body by ``input_ids`` and
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
-    prompts, is_batch = parse_prompts(body, max_request_bytes(), store)
+    prompts, is_batch = parse_prompts(body, max_span_bytes(), store)
     built = [build_ids(p, spec) for p in prompts]
     out = {k: v for k, v in body.items() if k not in SPAN_FIELDS and k != "text"}  # text: a routing hint
     if is_batch:

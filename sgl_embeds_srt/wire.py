@@ -33,7 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # per tensor, as decoded float32
+MAX_SPAN_BYTES = 256 * 1024 * 1024  # per tensor, as decoded float32
 MAX_ROWS = 1 << 20
 
 
@@ -47,7 +47,7 @@ def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
     ``fmt="base64"`` gives the binary object (``dtype`` defaults to the tensor's own dtype when it
     is one of float32/float16/bfloat16, else float32); ``fmt="json"`` gives nested float lists.
     """
-    t = as_sent(x, fmt, dtype)
+    t = as_wire_tensor(x, fmt, dtype)
     if fmt == "json":
         return t.tolist()
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -56,7 +56,7 @@ def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
     return {"data": b64.b64encode(raw).decode("ascii"), "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
 
 
-def as_sent(x: Any, fmt: str = "base64", dtype: str | None = None) -> torch.Tensor:
+def as_wire_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> torch.Tensor:
     """The tensor a server decodes from ``encode_tensor(x, fmt, dtype)``: CPU, contiguous, in the
     wire dtype (float32 for JSON). Its handle (``keys.span_handle``) is the server's."""
     t = as_2d_tensor(x)
@@ -79,7 +79,7 @@ def as_2d_tensor(x: Any) -> torch.Tensor:
             raise ValueError(f"embeddings must be numeric, got a numpy array of dtype {x.dtype}")
         t = torch.from_numpy(np.ascontiguousarray(x))
     elif isinstance(x, (list, tuple)):
-        t = decode_json_lists(list(x), DEFAULT_MAX_BYTES)
+        t = decode_json_lists(list(x), MAX_SPAN_BYTES)
     else:
         raise ValueError(f"embeddings must be a tensor, array or nested list, got {type(x).__name__}")
     if t.dim() == 1:
@@ -105,7 +105,7 @@ def is_tensor_batch(x: Any) -> bool:
     return isinstance(first, (list, tuple)) and bool(first) and isinstance(first[0], (list, tuple))
 
 
-def decode_tensor(obj: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+def decode_tensor(obj: Any, max_bytes: int = MAX_SPAN_BYTES) -> torch.Tensor:
     """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed."""
     if isinstance(obj, (torch.Tensor, np.ndarray)):  # in-process callers (Engine), never JSON
         t = as_2d_tensor(obj)
