@@ -45,14 +45,28 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
 
 
 def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    """Register every hook; in the main process first check every server-side guard and refuse
+    to start on a changed SGLang.
 
-    version = targets.installed_version()
-    if version != targets.SGLANG_VERSION:
-        logger.warning(
-            "sgl_embeds targets SGLang %s but %s is installed: run "
-            "`python -m sgl_embeds_srt.cpu.check` to verify the patch targets",
-            targets.SGLANG_VERSION, version,
-        )
-    for target, (kind, hook) in hook_table(http=multiprocessing.parent_process() is None).items():
+    SGLang's ``load_plugins`` logs an ``Exception`` from a plugin and carries on, and its hook
+    registry logs a hook it could not apply and carries on: a server would then run half
+    patched. ``SystemExit`` passes through both, so a refusal stops ``launch_server`` (exit 1
+    with the message) and makes ``sglang.Engine(...)`` raise it. The scheduler and detokenizer
+    processes are started by a main process that has checked the same installation (the check
+    would cost them ~3 s of imports each); multi-tokenizer HTTP workers check again
+    (``http/worker_app.py``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry  # SGLang not ready at module import
+
+    main_process = multiprocessing.parent_process() is None
+    if main_process:
+        check_guards()
+    for target, (kind, hook) in hook_table(http=main_process).items():
         HookRegistry.register(target, hook, kind)
+
+
+def check_guards() -> None:
+    """``targets.check("server")``, as a ``SystemExit`` that SGLang's plugin loader lets through."""
+    try:
+        targets.check("server")
+    except targets.ChangedSGLang as e:
+        raise SystemExit(f"sgl_embeds refuses to start: {e}") from None

@@ -1,32 +1,65 @@
-"""Every SGLang internal that sgl_embeds patches or relies on, in one place, pinned to one version.
+"""Every SGLang internal that sgl_embeds patches or relies on, in one place, with its guard.
 
-Each target is a dotted path with its *guard*: the names its source must still mention for our
-hook or call to be right. ``PATCHED`` lists the hooked targets (the hook tables that attach our
-functions are ``srt.plugin.hook_table`` for the engine and HTTP processes and
-``lang.hook_table`` for the frontend; a test keeps both equal to ``PATCHED``); ``RELIED_ON`` the
-internals we call or read. A moved or renamed target fails ``missing_targets()`` (and its test)
-with the exact path.
+A target is a dotted path. Its ``Guard`` says which side checks it (``"server"``: the plugin in
+every SGLang process and ``sglang.Engine``; ``"client"``: ``import sgl_embeds``), the names its
+source must still mention (why we depend on it, in its own words), and a *fingerprint* of its
+source: a hash of its syntax tree without docstrings, comments or positions, so any change of
+behaviour-relevant code changes it while a moved line or a reworded comment does not.
+
+``check(side)`` runs every guard of a side and raises ``ChangedSGLang`` naming each target that
+is missing or changed and what differed; the plugin's ``register()`` turns that into a refused
+launch (``plugin.py``), the client's ``install()`` into a failed ``import sgl_embeds``. After an
+SGLang upgrade, ``python -m sgl_embeds_srt.targets`` lists what changed and the new fingerprints
+to record once each change is reviewed.
+
+``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server,
+``sgl_embeds.lang.hook_table`` on the client; a test keeps both equal to this table).
+``RELIED_ON``: internals we call, read, subclass or patch by other means (said on each line).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
 import importlib.metadata
 import inspect
 import pkgutil
+import sys
+import textwrap
+from dataclasses import dataclass
 
 SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True)
+class Guard:
+    side: str  # "server" or "client": whose start-up checks it
+    mentions: tuple[str, ...] = ()  # what its source must still say
+    fingerprint: str | None = None  # of its normalised source; None: it has no source (a value)
+
+
+def server(*mentions: str, fp: str | None = None) -> Guard:
+    return Guard("server", mentions, fp)
+
+
+def client(*mentions: str, fp: str | None = None) -> Guard:
+    return Guard("client", mentions, fp)
+
 
 _SB = "sglang.srt.managers.schedule_batch"
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _HTTP = "sglang.srt.entrypoints.http_server"
 _ENGINE = "sglang.srt.entrypoints.engine.Engine"
 _EXEC = "sglang.lang.interpreter.StreamExecutor"
+_RE = "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint"
 
 # Scheduler process
 REQ_INIT = f"{_SB}.Req.__init__"
 REQ_NEXT_ROUND_INPUT = f"{_SB}.Req.init_next_round_input"
 PREPARE_FOR_EXTEND = f"{_SB}.ScheduleBatch.prepare_for_extend"
-SDPA_FORWARD_EXTEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend"
+SDPA_FORWARD_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+                       "._run_sdpa_forward_extend")
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
@@ -35,71 +68,174 @@ LAUNCH_SERVER = f"{_HTTP}.launch_server"
 ENGINE_GENERATE = f"{_ENGINE}.generate"
 ENGINE_ASYNC_GENERATE = f"{_ENGINE}.async_generate"
 # Frontend (client) process
+EXECUTOR_INIT = f"{_EXEC}.__init__"
 EXECUTE = f"{_EXEC}._execute"
 FORK = f"{_EXEC}.fork"
 
-PATCHED: dict[str, tuple[str, ...]] = {
-    REQ_INIT: ("skip_radix_cache_insert", "positional_embed_overrides", "self.vocab_size"),
-    REQ_NEXT_ROUND_INPUT: ("positional_embed_overrides", "token_ids_to_match"),
-    PREPARE_FOR_EXTEND: ("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides"),
-    SDPA_FORWARD_EXTEND: ("per_req_query_redudant", "extend_prefix_lens"),
-    ADD_LOGPROB_TO_META_INFO: ('meta_info["input_token_logprobs"]',),
-    INIT_EMBEDS_TRANSPORT: ("self.positional_embeds_transport = PositionalEmbedsTransport",),
-    GENERATE_REQUEST: (),
-    LAUNCH_SERVER: (),
-    ENGINE_GENERATE: ("tokenizer_manager.generate_request",),
-    ENGINE_ASYNC_GENERATE: ("tokenizer_manager.generate_request",),
-    EXECUTE: ("SglImage", "Unknown type"),
-    FORK: ("images_", "text_"),
+PATCHED: dict[str, Guard] = {
+    # req_init rewrites the stock skip_radix_cache_insert expression minus its override clause
+    REQ_INIT: server("skip_radix_cache_insert", "positional_embed_overrides is not None",
+                     "FAKE_BOOTSTRAP_HOST", "self.vocab_size", fp="33b1eb0b2e8e9b4f"),
+    REQ_NEXT_ROUND_INPUT: server("positional_embed_overrides", "token_ids_to_match", fp="0f11ffa7f806d0bc"),
+    PREPARE_FOR_EXTEND: server("prefill_input_ids_cpu", "replace_positions", "positional_embed_overrides",
+                               fp="8f197e98949bf72c"),
+    SDPA_FORWARD_EXTEND: server("per_req_query_redudant", "extend_prefix_lens", fp="e1497a0a5e3bdaa7"),
+    ADD_LOGPROB_TO_META_INFO: server('meta_info["input_token_logprobs"]', fp="e242ec6d21757507"),
+    INIT_EMBEDS_TRANSPORT: server("self.positional_embeds_transport = PositionalEmbedsTransport", fp="2cda71e490f228df"),
+    GENERATE_REQUEST: server(fp="302f82297e1fe5b7"),
+    LAUNCH_SERVER: server(fp="5d31a0080f07c45c"),
+    ENGINE_GENERATE: server("tokenizer_manager.generate_request", fp="be5f68cffd34d267"),
+    ENGINE_ASYNC_GENERATE: server("tokenizer_manager.generate_request", fp="637a92600005087e"),
+    EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
+    EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
+    FORK: client("images_", "text_", fp="062ebfc3617be817"),
 }
-RELIED_ON: dict[str, tuple[str, ...]] = {
-    f"{_HTTP}.serve_generate_request": ("tokenizer_manager.generate_request",),
-    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages": ("request.input_ids is not None", "prompt_ids=request.input_ids"),
-    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request": ('{"input_ids": prompt}',),
-    "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request": ("raw_request",),
-    f"{_HTTP}.app": (),
-    # multi-tokenizer mode: each HTTP worker imports the app by this path (http.before_launch_server)
-    f"{_HTTP}._setup_and_run_http_server": ("SGLANG_HTTP_SERVER_APP_PATH",),
-    f"{_HTTP}._run_granian_server": ("SGLANG_HTTP_SERVER_APP_PATH",),
-    "sglang.srt.plugins.load_plugins": ("apply_hooks",),
-    # the client finds the plugin's info here, through a gateway too (deprecated upstream, but
-    # SGLang's own RuntimeEndpoint still calls it)
-    f"{_HTTP}.get_model_info": (),
-    f"{_HTTP}._global_state": (),
-    "sglang.srt.managers.embed_types.PositionalEmbeds": ("positions", "embeds", "def reconstruct"),
-    # transport.py: our wrapper of the dispatch transport is called around every send, and the
-    # scheduler reconstructs every request's overrides first thing, in the order they were sent
-    f"{_TM}._send_one_request": ("positional_embeds_transport.prepare_for_dispatch", "cancel_for_dispatch"),
-    f"{_TM}._send_batch_request": ("positional_embeds_transport.prepare_for_dispatch", "cancel_for_dispatch"),
-    "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("positional_embed_overrides.reconstruct",),
-    "sglang.srt.managers.io_struct.sock_send": ("send_pyobj",),
-    f"{_SB}.FAKE_BOOTSTRAP_HOST": (),
-    f"{_SB}.Req.set_finish_with_abort": ("origin_input_ids", "FINISH_ABORT"),
-    "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs": ("replace_embeds", "replace_positions"),
-    "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item": ("positional_embed_overrides[i]",),
-    "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images": ('data["image_data"]',),
-    "sglang.lang.backend.runtime_endpoint.RuntimeEndpoint.select": ("_generate_http_request", "input_token_logprobs"),
-    f"{_EXEC}._execute_fill": ("self.text_ += value",),
+RELIED_ON: dict[str, Guard] = {
+    # -- start-up: how a refusal stops a launch (plugin.register raises SystemExit, which
+    #    load_plugins' `except Exception` lets through) and where the plugin loads
+    "sglang.srt.plugins.load_plugins": server("except Exception", "apply_hooks", fp="4af6a54c7fd56378"),
+    "sglang.launch_server": server("load_plugins()"),  # its __main__ loads plugins first
+    f"{_ENGINE}.__init__": server("load_plugins()", fp="6458fa9b0cefacef"),
+    # -- HTTP process: our middleware goes innermost in SGLang's app (starlette builds the
+    #    stack from user_middleware at the first request, after launch_server's hook ran)
+    f"{_HTTP}.app": server(),
+    "starlette.applications.Starlette.build_middleware_stack": server("self.user_middleware", fp="d1af921e24bd9122"),
+    f"{_HTTP}.serve_generate_request": server("tokenizer_manager.generate_request", fp="ff5196620cd3f804"),
+    f"{_HTTP}.get_model_info": server(fp="6627f793a9926ca2"),  # its answer carries ours (deprecated upstream)
+    f"{_HTTP}._global_state": server(),
+    # multi-tokenizer mode: each HTTP worker imports the app by this path, which we point at ours
+    f"{_HTTP}._setup_and_run_http_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="9922db5d86b86d38"),
+    f"{_HTTP}._run_granian_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="caaae7a6bc63ec7c"),
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages":
+        server("request.input_ids is not None", "prompt_ids=request.input_ids", fp="6d94294074348727"),
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request":
+        server('{"input_ids": prompt}', fp="4ac54ee0412da29d"),
+    "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request": server("raw_request", fp="740663c21757890e"),
+    "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item":
+        server("positional_embed_overrides[i]", fp="77a77ce02a877a6a"),
+    # -- the rows' trip (transport.py): our carrier subclasses PositionalEmbeds; the dispatch
+    #    transport is called around every send; the scheduler reconstructs every request's
+    #    overrides first thing, in the order they were sent, over pickle IPC
+    "sglang.srt.managers.embed_types.PositionalEmbeds": server("positions", "embeds", "def reconstruct", fp="619cde061da071f9"),
+    f"{_TM}._send_one_request": server("positional_embeds_transport.prepare_for_dispatch",
+                                       "cancel_for_dispatch", fp="e09c548a8ef48914"),
+    f"{_TM}._send_batch_request": server("positional_embeds_transport.prepare_for_dispatch",
+                                         "cancel_for_dispatch", fp="27329ca9b657f184"),
+    "sglang.srt.managers.scheduler.Scheduler.process_input_requests":
+        server("positional_embed_overrides.reconstruct", fp="83237e517bbd89e0"),
+    "sglang.srt.managers.io_struct.sock_send": server("send_pyobj", fp="392e732baf387df5"),
+    "sglang.srt.environ.Envs.SGLANG_USE_PICKLE_IPC": server(),
+    # -- scheduler: the placeholder masking of prepare_for_extend reaches the model because the
+    #    prefill ids are copied to the device later, from the CPU tensor we mask
+    "sglang.srt.managers.overlap_utils.resolve_forward_inputs": server("prefill_input_ids_cpu.to(", fp="83e7c38a781eed48"),
+    f"{_SB}.FAKE_BOOTSTRAP_HOST": server(),
+    f"{_SB}.Req.set_finish_with_abort": server("origin_input_ids", "FINISH_ABORT", fp="678e9683a985331a"),
+    "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
+        server("replace_embeds", "replace_positions", fp="0c1d0eb6ece06b1b"),
+    # -- client: the sglang module gains sgl.embeds / sgl.region (ADDED_NAMES); a /generate body
+    #    passes _add_images; select reads input logprobs; a refused request raises
+    #    RuntimeError(<the server's JSON error>), which carries UnknownSpanHandle
+    f"{_RE}._add_images": client('data["image_data"]', fp="2c2f12188242c3c1"),
+    f"{_RE}.select": client("_generate_http_request", "input_token_logprobs", fp="af9fc1f68cec5094"),
+    f"{_RE}._assert_success": client("raise RuntimeError(content)", fp="de80c54851f784db"),
+    f"{_EXEC}._execute_fill": client("self.text_ += value", fp="382733fd5031b14c"),
+    # vlm.checkpoint asks whether SGLang serves an architecture by reading this folder's sources
+    "sglang.srt.models.llama.LlamaForCausalLM": client(),
 }
-TARGETS: dict[str, tuple[str, ...]] = {**PATCHED, **RELIED_ON}
+# Names the client adds to SGLang's modules (the DSL); they must not exist there already.
+ADDED_NAMES: dict[str, tuple[str, ...]] = {"sglang": ("embeds", "region")}
+TARGETS: dict[str, Guard] = {**PATCHED, **RELIED_ON}
+
+
+class ChangedSGLang(RuntimeError):
+    """The installed SGLang differs from what sgl_embeds' patches were written against."""
 
 
 def installed_version() -> str:
     return importlib.metadata.version("sglang")
 
 
-def missing_targets() -> list[str]:
-    """Targets that do not resolve, or whose source no longer mentions what we rely on."""
+def fingerprint(obj: object) -> str:
+    """A hash of ``obj``'s source as a syntax tree, without docstrings, comments or positions."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def _resolve(target: str) -> object:
+    obj = pkgutil.resolve_name(target)
+    return inspect.unwrap(obj) if callable(obj) else obj  # our own hooks wrap some targets
+
+
+def guard_problems(target: str, guard: Guard) -> list[str]:
+    """What no longer holds for one target (empty: it is as recorded)."""
+    try:
+        obj = _resolve(target)
+    except (ImportError, AttributeError) as e:
+        return [f"{target}: cannot be resolved ({e})"]
+    if not guard.mentions and guard.fingerprint is None:
+        return []
+    source = inspect.getsource(obj)
     problems = []
-    for target, names in TARGETS.items():
-        try:
-            obj = pkgutil.resolve_name(target)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{target}: cannot be resolved ({e})")
-            continue
-        if names:
-            source = inspect.getsource(obj)
-            lost = [n for n in names if n not in source]
-            if lost:
-                problems.append(f"{target}: source no longer mentions {lost}")
+    lost = [m for m in guard.mentions if m not in source]
+    if lost:
+        problems.append(f"{target}: its source no longer mentions {lost}")
+    if guard.fingerprint is not None and (found := fingerprint(obj)) != guard.fingerprint:
+        problems.append(f"{target}: its source changed (fingerprint {found}, recorded {guard.fingerprint})")
     return problems
+
+
+def _added_name_problems() -> list[str]:
+    problems = []
+    for module_name, names in ADDED_NAMES.items():
+        module = pkgutil.resolve_name(module_name)
+        for name in names:
+            value = getattr(module, name, None)
+            if value is not None and not getattr(value, "__module__", "").startswith("sgl_embeds"):
+                problems.append(f"{module_name}.{name}: SGLang now defines it ({value!r}); the DSL would hide it")
+    return problems
+
+
+def problems(side: str | None = None) -> list[str]:
+    """Every guard of ``side`` (None: both) that fails, one line each."""
+    found = [p for target, guard in TARGETS.items() if side in (None, guard.side)
+             for p in guard_problems(target, guard)]
+    return found + (_added_name_problems() if side in (None, "client") else [])
+
+
+@functools.cache
+def check(side: str) -> None:
+    """Raise ``ChangedSGLang`` unless every guard of ``side`` holds (once per process)."""
+    found = problems(side)
+    if found:
+        raise ChangedSGLang(
+            f"sgl_embeds was written against SGLang {SGLANG_VERSION}; the installed SGLang "
+            f"{installed_version()} differs in {len(found)} internal(s) it patches or relies on:\n  "
+            + "\n  ".join(found)
+            + f"\nRefusing to run on them: install sglang=={SGLANG_VERSION}, or review each change and "
+            "record its new guard in sgl_embeds_srt/targets.py (`python -m sgl_embeds_srt.targets`)."
+        )
+
+
+def main() -> int:
+    """List each target's state and current fingerprint (to record after reviewing a change)."""
+    status = 0
+    for target, guard in TARGETS.items():
+        found = guard_problems(target, guard)
+        status |= bool(found)
+        try:
+            current = fingerprint(_resolve(target)) if guard.fingerprint is not None else "-"
+        except (ImportError, AttributeError, TypeError, OSError):
+            current = "?"
+        print(f"{'CHANGED' if found else 'ok':8} {current:16} {target}")
+        for line in found:
+            print(f"         {line}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,11 +20,11 @@ def main() -> int:
 
     from sgl_embeds_srt import targets
 
-    missing = targets.missing_targets()
-    if missing:
-        print("patch targets missing from the installed SGLang:\n  " + "\n  ".join(missing))
+    found = targets.problems()
+    if found:
+        print("SGLang internals missing or changed (see sgl_embeds_srt/targets.py):\n  " + "\n  ".join(found))
         return 1
-    print(f"sglang {targets.installed_version()}: all {len(targets.TARGETS)} patch targets present")
+    print(f"sglang {targets.installed_version()}: all {len(targets.TARGETS)} guarded internals as recorded")
     return 0
 
 
