@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -62,3 +63,29 @@ def test_a_real_sgl_kernel_wins_over_the_fallback(tmp_path):
     (real / "__init__.py").write_text("REAL = True\n")
     out = _run("import sgl_embeds_srt.cpu.finder, sgl_kernel; print(getattr(sgl_kernel, 'REAL', False))", str(tmp_path))
     assert out == "True"
+
+
+def test_qwen_vl_modules_import_and_their_torch_ops_raise_by_name():
+    """SGLang's Qwen-VL processor imports models/qwen3_5.py, whose module level looks up torch ops
+    of sgl_kernel (issue #22): in a fresh process, as a server's processor pool would."""
+    code = textwrap.dedent("""
+        import torch
+        import sglang.srt.multimodal.processors.qwen_vl  # noqa: F401
+        from sgl_embeds_srt.cpu.kernels import TORCH_OPS
+        for name in TORCH_OPS:
+            print(getattr(torch.ops.sgl_kernel, name).default._schema)
+        try:
+            torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(torch.zeros(2), torch.zeros(2))
+        except NotImplementedError as e:
+            print(e)
+    """)
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line.split("(")[0] for line in lines[:-1]] == [f"sgl_kernel::{n}" for n in kernels.TORCH_OPS]
+    assert "sgl_kernel.fused_sigmoid_mul_cpu is not implemented" in lines[-1]
+    with pytest.raises(NotImplementedError, match="fused_qk_gemma_rmsnorm_cpu"):
+        torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_cpu(torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(4),
+                                                         torch.ones(4), 1e-6, 4)

@@ -3,6 +3,12 @@
 Loaded as the module ``sgl_kernel`` by ``sgl_embeds_srt.cpu.finder``. Each op mirrors the meaning
 of SGLang's Triton kernel of the same name. Any other name imported from here is a stub that
 raises ``NotImplementedError`` naming the op when it is called, never a silent no-op.
+
+Some SGLang modules look ops up as torch ops at import time (``torch.ops.sgl_kernel.<name>``):
+the Qwen-VL processors import ``models/qwen3_5.py``, which does. ``TORCH_OPS`` registers those as
+real torch ops, with the schemas of their call sites (and of SGLang's own fakes for them in
+``model_executor/cpu_graph_runner.py``); no path we serve calls them, so each raises
+``NotImplementedError`` naming itself. The finder imports this module before those modules.
 """
 
 from __future__ import annotations
@@ -59,6 +65,26 @@ def _missing(name: str) -> Callable[..., Any]:
 
     op.__name__ = name
     return op
+
+
+TORCH_OPS = {
+    "fused_sigmoid_mul_cpu": "(Tensor(a!) x, Tensor gate) -> ()",
+    "fused_qk_gemma_rmsnorm_cpu":
+        "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor)",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu":
+        "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim, int num_heads)"
+        " -> (Tensor, Tensor, Tensor)",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu":
+        "(Tensor mixed_qkvz, Tensor mixed_ba, int num_heads_qk, int num_heads_v, int head_qk, int head_v)"
+        " -> (Tensor, Tensor, Tensor, Tensor)",
+    "fused_input_proj_cpu":
+        "(Tensor hidden_states, Tensor qkvz_weight, Tensor ba_weight, bool is_vnni) -> (Tensor, Tensor)",
+}
+_LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")  # FRAGMENT: others may define ops there too
+for _name, _schema in TORCH_OPS.items():
+    if not hasattr(torch.ops.sgl_kernel, _name):
+        _LIBRARY.define(_name + _schema)
+        _LIBRARY.impl(_name, _missing(_name), "CompositeExplicitAutograd")
 
 
 def __getattr__(name: str) -> Any:
