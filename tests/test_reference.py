@@ -59,3 +59,25 @@ def test_the_per_test_count_sees_forgiveness_across_sequences():
     check_greedy([5, 9], hf, "second: ")
     assert FORGIVEN == ["first: token 1", "second: token 1"]  # the conftest fixture would fail this test ...
     FORGIVEN.clear()  # ... so it is reset here, after the check
+
+
+EOS = 2
+
+
+@pytest.mark.parametrize("ours", [[5], [5, EOS]], ids=["end token not listed", "end token listed"])
+def test_our_run_ending_where_the_end_token_is_hfs_runner_up_is_one_near_tie(ours):
+    hf = _scripted({(): Greedy([5, 6, 7], [1, EOS, 1], [CLEAR, TIE, CLEAR])})
+    assert check_greedy(ours, hf, eos_ids={EOS}) == 1
+    assert FORGIVEN == ["token 1"]
+    FORGIVEN.clear()
+
+
+@pytest.mark.parametrize("ours, hf, why", [
+    ([5], Greedy([5, 6, 7], [1, EOS, 1], [CLEAR, CLEAR, CLEAR]), "not a near-tie"),
+    ([5], Greedy([5, 6, 7], [1, 9, 1], [CLEAR, TIE, CLEAR]), "the runner-up is not an end token"),
+    ([], Greedy([5, 6, 7], [EOS, 1, 1], [TIE, CLEAR, CLEAR]), "the first token"),
+    ([5, EOS], Greedy([5, 6, 7], [1, 9, 1], [CLEAR, TIE, CLEAR]), "the listed end token is not the runner-up"),
+])
+def test_other_early_ends_fail(ours, hf, why):
+    with pytest.raises(AssertionError, match="differs"):
+        check_greedy(ours, _scripted({(): hf}), eos_ids={EOS})

@@ -66,7 +66,8 @@ class VLM:
         reference = ref.llava_greedy(self.checkpoint, text, hf_images, MAX_TOKENS)
         ref.assert_not_degenerate(reference.tokens, f"{label}: ")
         forgiven = ref.check_greedy(
-            ours, lambda prefix: ref.llava_greedy(self.checkpoint, text, hf_images, MAX_TOKENS, prefix), f"{label}: ")
+            ours, lambda prefix: ref.llava_greedy(self.checkpoint, text, hf_images, MAX_TOKENS, prefix), f"{label}: ",
+            eos_ids=ref.eos_ids(ref.hf_llava(str(self.checkpoint))[0]))
         assert len(ours) >= MIN_COMPARED, f"{label}: only {len(ours)} tokens compared"
         print(f"{label}: compared {len(ours)} tokens with HF LLaVA, {forgiven} near-tie(s) forgiven")
         return reference.tokens

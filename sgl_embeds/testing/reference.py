@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import pytest
 import torch
@@ -90,8 +90,15 @@ def assert_matches_hf(ours: list[int], model_dir: str | Path, inputs_embeds: tor
     if other_span_embeds is not None:
         other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype).tokens
         assert other != reference.tokens, f"{context}the span does not change HF's output: {other}"
-    check_greedy(ours, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context, near_tie)
+    check_greedy(ours, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context,
+                 near_tie, eos_ids(hf_model(str(model_dir))))
     return reference
+
+
+def eos_ids(model) -> set[int]:
+    """The end tokens HF's ``generate`` stops on for ``model``."""
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 def text_embeds(model_dir: str | Path, text: str, first: bool) -> torch.Tensor:
@@ -104,27 +111,39 @@ def text_embeds(model_dir: str | Path, text: str, first: bool) -> torch.Tensor:
 
 
 def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], context: str = "",
-                 near_tie: float = NEAR_TIE) -> int:
+                 near_tie: float = NEAR_TIE, eos_ids: Collection[int] = ()) -> int:
     """Compare our greedy tokens with HF's; returns the number of forgiven near-ties.
 
     ``continue_from(prefix)`` is HF's greedy continuation after ``prefix`` (our tokens so far). A
     divergence is forgiven only where HF's top-2 gap is under ``NEAR_TIE`` *and* our token is HF's
     runner-up, never at the first token, and at most once; after it HF is re-run from our prefix
-    so the rest of the sequence is still compared."""
+    so the rest of the sequence is still compared. Our run ending where HF's runner-up is an end
+    token (``eos_ids``) is such a divergence too: we took the end token, whether or not our
+    output lists it."""
     forgiven, ref, j = 0, continue_from([]), 0
+
+    def forgive(i: int, token: int | None) -> None:
+        nonlocal forgiven
+        tie = ref.gaps[j] < near_tie and (token == ref.runner_ups[j] or token is None and ref.runner_ups[j] in eos_ids)
+        ours_text = "the end of our output" if token is None else f"ours {token}"
+        assert tie and i > 0 and forgiven == 0, (
+            f"{context}token {i} differs: {ours_text} vs HF {ref.tokens[j]} (HF runner-up "
+            f"{ref.runner_ups[j]}, top-2 gap {ref.gaps[j]:.2e}, forgiven so far {forgiven}); ours={ours}")
+        forgiven += 1
+        FORGIVEN.append(f"{context}token {i}")
+
     for i, token in enumerate(ours):
         assert j < len(ref.tokens), f"{context}HF stopped after {i} tokens, we did not: ours={ours}"
         if token != ref.tokens[j]:
-            tie = ref.gaps[j] < near_tie and token == ref.runner_ups[j]
-            assert tie and i > 0 and forgiven == 0, (
-                f"{context}token {i} differs: ours {token} vs HF {ref.tokens[j]} (HF runner-up "
-                f"{ref.runner_ups[j]}, top-2 gap {ref.gaps[j]:.2e}, forgiven so far {forgiven}); ours={ours}")
-            forgiven += 1
-            FORGIVEN.append(f"{context}token {i}")
+            forgive(i, token)
+            if token in eos_ids:
+                return forgiven  # our run ended on the end token HF ranked second
             ref, j = continue_from(ours[: i + 1]), 0
             continue
         j += 1
-    assert j == len(ref.tokens), f"{context}we stopped after {len(ours)} tokens, HF did not: ours={ours}"
+    if j < len(ref.tokens):
+        assert eos_ids, f"{context}we stopped after {len(ours)} tokens, HF did not: ours={ours}"
+        forgive(len(ours), None)
     return forgiven
 
 
