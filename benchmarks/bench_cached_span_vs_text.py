@@ -37,7 +37,8 @@ from sglang.utils import http_request
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
 from sgl_embeds_srt import keys, wire
-from sgl_embeds.backend import EmbedsEndpoint, SentSpans
+from sgl_embeds.backend import EmbedsEndpoint
+from sgl_embeds.writer import KeptSpans
 from sgl_embeds_srt.segments import Embeds, Ids
 from sgl_embeds_srt.placeholders import placeholder_ids
 
@@ -115,7 +116,7 @@ def pieces(rows: torch.Tensor) -> dict[str, float]:
     return {
         "client: wire.encode_tensor (base64)": ms(lambda: wire.encode_tensor(rows)),
         "client: keys.span_handle (SHA-256, first send only)": ms(lambda: keys.span_handle(rows)),
-        "client: SentSpans key (xxh3, every send)": ms(lambda: SentSpans.key(rows)),
+        "client: KeptSpans key (xxh3, every send)": ms(lambda: KeptSpans.key(rows)),
         "server: parse body JSON": ms(lambda: orjson.loads(body)),
         "server: wire.decode_tensor (base64 + checks)": ms(lambda: wire.decode_tensor(encoded)),
         "server: placeholder ids (blake2b per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),

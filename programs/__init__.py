@@ -12,4 +12,5 @@ from programs.grounded_chat import grounded_chat
 from programs.region_caption import caption_regions
 from programs.vqa import visual_qa
 
-__all__ = ["visual_qa", "compare_images", "caption_regions", "grounded_chat", "extract_attributes", "classify"]
+__all__ = ["visual_qa", "compare_images", "caption_regions", "grounded_chat", "extract_attributes",
+           "classify"]

@@ -12,4 +12,5 @@ def classify(s, image, labels: list, question: str = "Which category fits the im
     """Pick one of ``labels`` for ``image`` (a span) by the model's normalized label likelihood;
     the label is ``s["label"]``."""
     s += sgl.user(sgl.embeds(image) + "\n" + question)
-    s += sgl.assistant("The category is " + sgl.select("label", choices=list(labels), temperature=0))
+    label = sgl.select("label", choices=list(labels), temperature=0)
+    s += sgl.assistant("The category is " + label)

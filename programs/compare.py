@@ -8,7 +8,8 @@ import sgl_embeds  # noqa: F401
 
 
 @sgl.function
-def compare_images(s, images: list, question: str = "What differs between the images?", max_tokens: int = 64):
+def compare_images(s, images: list, question: str = "What differs between the images?",
+                   max_tokens: int = 64):
     """``images`` is a list of ``[n, hidden]`` spans, shown as "Image 1: <span>", ...; the
     comparison is ``s["comparison"]``."""
     content = ""

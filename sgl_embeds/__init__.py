@@ -16,5 +16,5 @@ from sgl_embeds.lang import compile_program, embeds, install, program_segments, 
 
 install()
 
-__all__ = ["embeds", "region", "program_segments", "compile_program", "EmbedsEndpoint", "Prompt", "Text",
-           "Ids", "Embeds", "wire"]
+__all__ = ["embeds", "region", "program_segments", "compile_program", "EmbedsEndpoint", "Prompt",
+           "Text", "Ids", "Embeds", "wire"]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import sglang as sgl
 import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer
 
 import sgl_embeds  # noqa: F401  (installs sgl.embeds)
 from sgl_embeds.backend import EmbedsEndpoint
@@ -26,9 +28,6 @@ QUESTIONS = ["What color is the bicycle?", "What is next to the bicycle?"]
 def embedding_rows(model_dir, text: str) -> torch.Tensor:
     """The model's own input-embedding rows of ``text`` (no special tokens): ``[n, hidden]``.
     Fed as a span, they stand for the text without the model ever seeing it as text."""
-    from safetensors import safe_open
-    from transformers import AutoTokenizer
-
     ids = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
     shard = next(Path(model_dir).glob("*.safetensors"))
     with safe_open(str(shard), "pt") as f:
@@ -48,7 +47,8 @@ def main() -> int:
     model_dir = demo_model_dir()
     print(f"[demo] model: {model_dir} ({time.monotonic() - t0:.0f} s)")
     rows = embedding_rows(model_dir, DESCRIPTION)
-    print(f"[demo] span: {rows.shape[0]} embedding rows of a {rows.shape[1]}-wide model, standing for:\n       {DESCRIPTION!r}")
+    print(f"[demo] span: {rows.shape[0]} embedding rows of a {rows.shape[1]}-wide model, "
+          f"standing for:\n       {DESCRIPTION!r}")
     with Server(model_dir) as server:
         print(f"[demo] server ready at {server.url} ({time.monotonic() - t0:.0f} s)")
         backend = EmbedsEndpoint(server.url, chat_template_name="chatml")
@@ -56,7 +56,8 @@ def main() -> int:
             state = ask.run(rows=rows, question=q, backend=backend)
             meta = state.get_meta_info("answer")
             print(f"\n  Q: {q}\n  A: {state['answer'].strip()}")
-            print(f"     prompt {meta['prompt_tokens']} positions, {meta['cached_tokens']} served from the prefix cache")
+            print(f"     prompt {meta['prompt_tokens']} positions, {meta['cached_tokens']} served "
+                  "from the prefix cache")
     print(f"\n[demo] done in {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -1,10 +1,11 @@
-"""DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hook.
+"""DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hooks.
 
 A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
-characters around a per-program key), with the tensor kept in the executor's span table. Markers
-ride along everything SGLang's interpreter does to text (roles and chat templates, ``fork``,
-``gen``/``select`` prefixes), and the backend splits the text at them into segments
-(``segments.split_at_markers``). ``fork`` copies the span table to every branch.
+characters around a per-program key), with the tensor kept in the span table of the executor's
+``ProgramSpans``. Markers ride along everything SGLang's interpreter does to text (roles and chat
+templates, ``fork``, ``gen``/``select`` prefixes), and ``program_prompt`` splits the text at them
+into segments. Every executor gets its ``ProgramSpans`` in ``__init__`` and ``fork`` copies it to
+every branch, as SGLang's interpreter declares and copies its ``images_``.
 
 With a backend that has a ``vision_encoder``, ``sgl.image(...)`` is encoded client-side into a
 span too, so VLM-style programs run on a text-only LLM plus the developer's own vision tower.
@@ -12,17 +13,21 @@ span too, so VLM-style programs run on a text-only LLM plus the developer's own 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import sglang as sgl
 import torch
+from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.chat_template import get_chat_template
+from sglang.lang.choices import ChoicesDecision
 from sglang.lang.ir import SglArgument, SglExpr, SglImage
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from sgl_embeds import vision
 from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt import targets
 from sgl_embeds_srt import wire
-
-_TABLE = "_sgl_embeds_spans"
-_IMAGES = "_sgl_embeds_images"
 
 
 class SglEmbeds(SglExpr):
@@ -44,15 +49,14 @@ class SglRegion(SglExpr):
         self.box, self.image, self.encoder = box, image, encoder
 
     def __repr__(self) -> str:
-        from sgl_embeds.vision import is_mask
-
-        if is_mask(self.box):
+        if vision.is_mask(self.box):
             return f"SglRegion(mask of shape {list(self.box.shape)})"
         return f"SglRegion(box={self.box})"
 
 
 def embeds(x: Any) -> SglEmbeds:
-    """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or ``[hidden]``."""
+    """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or
+    ``[hidden]``."""
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
         return SglEmbeds(x)
     t = wire.as_2d_tensor(x)
@@ -68,34 +72,51 @@ def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglR
     tensor or PIL image; see ``vision.mask_image``). ``encoder`` defaults to the backend's
     ``vision_encoder``.
     """
-    from sgl_embeds.vision import check_box_form, check_mask, is_mask
-
-    if is_mask(box):
-        check_mask(box)
+    if vision.is_mask(box):
+        vision.check_mask(box)
     elif not isinstance(box, SglArgument):
-        check_box_form(box)
+        vision.check_box_form(box)
     return SglRegion(box, image, encoder)
 
 
-def span_table(executor: Any) -> dict[int, torch.Tensor]:
-    table = getattr(executor, _TABLE, None)
-    if table is None:
-        table = {}
-        setattr(executor, _TABLE, table)
-    return table
+@dataclass
+class ProgramSpans:
+    """What an executor (``StreamExecutor``) carries for sgl_embeds, attached in its ``__init__``
+    (``executor_init``) and copied to every branch by ``fork``."""
+
+    table: dict[int, torch.Tensor] = field(default_factory=dict)  # marker key -> the span's rows
+    images: list[Any] = field(default_factory=list)  # the source of every sgl.image, in order
+
+    def copy(self) -> ProgramSpans:
+        return ProgramSpans(dict(self.table), list(self.images))
+
+
+def program_spans(executor: Any) -> ProgramSpans:
+    """The executor's ``ProgramSpans``."""
+    try:
+        return executor.sgl_embeds_spans
+    except AttributeError:
+        raise RuntimeError(f"this {type(executor).__name__} has no sgl_embeds_spans: it was made"
+                           " before `import sgl_embeds` hooked SGLang's interpreter; import"
+                           " sgl_embeds before running programs") from None
+
+
+def program_prompt(executor: Any, text: str) -> seg.Prompt:
+    """The prompt ``text`` (the executor's program text, or a request built from it) stands for:
+    its text and, at each marker, the span from the executor's table."""
+    return seg.split_at_markers(text, program_spans(executor).table)
 
 
 def add_span(executor: Any, tensor: torch.Tensor) -> None:
-    table = span_table(executor)
+    table = program_spans(executor).table
     key = len(table)
     table[key] = tensor
     executor._execute_fill(seg.marker(key))
 
 
 def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) -> torch.Tensor:
-    """Encoder rows of an image or a region, through the backend's ``encoder_cache`` if it has one."""
-    from sgl_embeds import vision
-
+    """Encoder rows of an image or a region, through the backend's ``encoder_cache`` if it has
+    one."""
     image = vision.load_image(image)
     cache = getattr(executor.backend, "encoder_cache", None)
     if cache is not None:
@@ -106,23 +127,23 @@ def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) ->
 def _execute_region(executor: Any, expr: SglRegion) -> None:
     image = expr.image
     if image is None:
-        images = getattr(executor, _IMAGES, [])
+        images = program_spans(executor).images
         if not images:
-            raise ValueError("sgl.region needs an image: pass image=... or put sgl.image(...) before it")
+            raise ValueError("sgl.region needs an image: pass image=... or put sgl.image(...) "
+                             "before it")
         image = images[-1]
     encoder = expr.encoder or getattr(executor.backend, "vision_encoder", None)
     if encoder is None:
-        raise ValueError("sgl.region needs a VisionEncoder: pass encoder=... or give the backend one")
+        raise ValueError("sgl.region needs a VisionEncoder: pass encoder=... or give the "
+                         "backend one")
     add_span(executor, _encode(executor, encoder, image, expr.box))
 
 
-def _remember_image(executor: Any, source: Any) -> None:
-    """Keep the source of every ``sgl.image`` (loaded only if a region asks for it)."""
-    images = getattr(executor, _IMAGES, None)
-    if images is None:
-        images = []
-        setattr(executor, _IMAGES, images)
-    images.append(source)
+def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND hook of ``StreamExecutor.__init__``: the executor's ``ProgramSpans``, attached before
+    its worker thread starts."""
+    self.sgl_embeds_spans = ProgramSpans()
+    original(self, *args, **kwargs)
 
 
 def execute(original: Callable, self: Any, other: Any) -> Any:
@@ -132,7 +153,7 @@ def execute(original: Callable, self: Any, other: Any) -> Any:
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
     if isinstance(other, SglImage):
-        _remember_image(self, other.path)
+        program_spans(self).images.append(other.path)  # loaded only if a region asks for it
         encoder = getattr(self.backend, "vision_encoder", None)
         if encoder is not None:
             return add_span(self, _encode(self, encoder, other.path))
@@ -149,8 +170,7 @@ def fork(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     self.sync()
     children = original(self, *args, **kwargs)
     for child in children:
-        setattr(child, _TABLE, dict(span_table(self)))
-        setattr(child, _IMAGES, list(getattr(self, _IMAGES, [])))
+        child.sgl_embeds_spans = program_spans(self).copy()
     return children
 
 
@@ -158,7 +178,7 @@ def program_segments(state: Any) -> list[seg.Segment]:
     """The segments a program state would send next (text and spans), for inspection and tests."""
     executor = getattr(state, "stream_executor", state)
     executor.sync()
-    return seg.split_at_markers(executor.text_, span_table(executor)).segments
+    return program_prompt(executor, executor.text_).segments
 
 
 def compile_program(program: Any, like: Any = None, vision_encoder: Callable | None = None,
@@ -167,49 +187,46 @@ def compile_program(program: Any, like: Any = None, vision_encoder: Callable | N
     ``select`` (generations come back empty, selects pick the first choice), then its final
     segments. No server is contacted; for inspection and tests. ``like``: a backend whose chat
     template and vision encoder to use (default: the "default" template, ``vision_encoder``)."""
-    from sglang.lang.backend.base_backend import BaseBackend
-    from sglang.lang.chat_template import get_chat_template
-
-    sent: list[list[seg.Segment]] = []
+    recorded: list[list[seg.Segment]] = []
 
     class Recorder(BaseBackend):
         def __init__(self) -> None:
             super().__init__()
             self.vision_encoder = vision_encoder or getattr(like, "vision_encoder", None)
-            self.chat_template = like.chat_template if like is not None else get_chat_template("default")
+            self.chat_template = (like.chat_template if like is not None
+                                  else get_chat_template("default"))
 
         def _record(self, s: Any) -> None:
-            sent.append(seg.split_at_markers(s.text_, span_table(s)).segments)
+            recorded.append(program_prompt(s, s.text_).segments)
 
         def generate(self, s: Any, sampling_params: Any) -> tuple[str, dict]:
             self._record(s)
             return "", {}
 
         def select(self, s: Any, choices: list, temperature: float, choices_method: Any) -> Any:
-            from sglang.lang.choices import ChoicesDecision
-
             self._record(s)
             return ChoicesDecision(decision=choices[0], meta_info={})
 
     state = program.run(backend=Recorder(), **arguments)
     executor = state.stream_executor
     executor.sync()
-    return sent + [seg.split_at_markers(executor.text_, span_table(executor)).segments]
+    return recorded + [program_prompt(executor, executor.text_).segments]
 
 
 def hook_table() -> dict[str, tuple[Any, Callable]]:
-    """Our hooks of SGLang's interpreter: target (see ``srt/targets.py``) -> (hook type, function)."""
-    from sglang.srt.plugins.hook_registry import HookType
-
-    from sgl_embeds_srt import targets
-
-    return {targets.EXECUTE: (HookType.AROUND, execute), targets.FORK: (HookType.AROUND, fork)}
+    """Our hooks of SGLang's interpreter: target (see ``srt/targets.py``) -> (hook type,
+    function)."""
+    return {
+        targets.EXECUTOR_INIT: (HookType.AROUND, executor_init),
+        targets.EXECUTE: (HookType.AROUND, execute),
+        targets.FORK: (HookType.AROUND, fork),
+    }
 
 
 def install() -> None:
-    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the interpreter (once)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
+    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the interpreter (once);
+    ``targets.ChangedSGLang`` if the installed SGLang differs where the hooks rely on it."""
+    targets.check("client")
     if getattr(sgl, "embeds", None) is embeds:
         return
     sgl.embeds, sgl.region = embeds, region

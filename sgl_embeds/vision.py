@@ -31,9 +31,12 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence, Union
 
 import numpy as np
+import open_clip
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
+from sgl_embeds_srt import wire
 from sgl_embeds_srt.lru import LRU, nbytes
 
 # Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
@@ -55,7 +58,8 @@ def check_box_form(box: Sequence[float]) -> str:
         raise ValueError(f"box values must be finite, got {tuple(box)}")
     kinds = {isinstance(v, int) for v in box}
     if len(kinds) > 1:
-        raise ValueError(f"box {tuple(box)} mixes ints (pixels) and floats (fractions): use one kind")
+        raise ValueError(f"box {tuple(box)} mixes ints (pixels) and floats (fractions): "
+                         "use one kind")
     if kinds == {True}:
         return "pixels"
     if not all(0.0 <= v <= 1.0 for v in box):
@@ -93,7 +97,8 @@ def check_mask(mask: MaskLike) -> np.ndarray:
     Accepted values: bool, or numbers that are all 0/1 or all 0/255 (an "L" or "1" PIL image)."""
     if isinstance(mask, Image.Image):
         if mask.mode not in ("1", "L"):
-            raise ValueError(f"a mask image must be mode '1' or 'L' (one channel), got mode {mask.mode!r}")
+            raise ValueError("a mask image must be mode '1' or 'L' (one channel), "
+                             f"got mode {mask.mode!r}")
         array = np.asarray(mask)
     elif isinstance(mask, torch.Tensor):
         array = mask.detach().cpu().numpy()
@@ -106,7 +111,8 @@ def check_mask(mask: MaskLike) -> np.ndarray:
             raise ValueError(f"a mask must hold bools or numbers, got dtype {array.dtype}")
         values = np.unique(array)
         if not (set(values.tolist()) <= {0, 1} or set(values.tolist()) <= {0, 255}):
-            raise ValueError(f"a mask must be binary (0/1, 0/255 or bool), found values {values[:6].tolist()}")
+            raise ValueError("a mask must be binary (0/1, 0/255 or bool), "
+                             f"found values {values[:6].tolist()}")
         array = array != 0
     if not array.any():
         raise ValueError("the mask is empty: no pixel is selected")
@@ -116,7 +122,8 @@ def check_mask(mask: MaskLike) -> np.ndarray:
 def mask_image(image: Image.Image, mask: np.ndarray, fill: Sequence[int]) -> Image.Image:
     """The mask's bounding box of ``image``, with pixels outside the mask set to ``fill``."""
     if mask.shape != (image.height, image.width):
-        raise ValueError(f"the mask has shape {list(mask.shape)} but the image is {image.height}x{image.width} "
+        raise ValueError(f"the mask has shape {list(mask.shape)} but the image is "
+                         f"{image.height}x{image.width} "
                          "(height x width): a mask must have the image's size")
     rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
     y0, y1, x0, x1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
@@ -131,7 +138,8 @@ def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
     if region is None:
         return image
     if is_mask(region):
-        return mask_image(image, check_mask(region), getattr(encoder, "mean_color", DEFAULT_MEAN_COLOR))
+        fill = getattr(encoder, "mean_color", DEFAULT_MEAN_COLOR)
+        return mask_image(image, check_mask(region), fill)
     return crop(image, region)
 
 
@@ -142,8 +150,7 @@ def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> to
 
 
 def checked_rows(out: Any) -> torch.Tensor:
-    from sgl_embeds_srt import wire
-
+    """An encoder's output as a CPU tensor, checked where it enters: ``[n, hidden]``, finite."""
     t = wire.as_2d_tensor(out)
     wire.check_tensor(t)
     return t.detach().cpu()
@@ -152,7 +159,8 @@ def checked_rows(out: Any) -> torch.Tensor:
 class EncoderCache:
     """Encoder outputs by (encoder identity, image content hash, box or mask), LRU, at most
     ``max_bytes``. An encoder's identity is its ``identity`` attribute (``LlavaEncoder`` hashes its
-    weights and settings) or, failing that, the object itself; ``hits`` and ``misses`` count calls."""
+    weights and settings) or, failing that, the object itself; ``hits`` and ``misses`` count
+    calls."""
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
@@ -160,7 +168,8 @@ class EncoderCache:
         self._lru: LRU[torch.Tensor] = LRU(max_bytes, nbytes)
         self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
 
-    def encode(self, encoder: VisionEncoder, image: Image.Image, region: Any = None) -> torch.Tensor:
+    def encode(self, encoder: VisionEncoder, image: Image.Image,
+               region: Any = None) -> torch.Tensor:
         key = (self._identity(encoder), image_digest(image), _region_key(region, image))
         rows = self._lru.get(key)
         if rows is not None:
@@ -217,7 +226,8 @@ def load_image(source: Any) -> Image.Image:
         try:
             return Image.open(io.BytesIO(base64.b64decode(text, validate=True))).convert("RGB")
         except Exception:
-            raise ValueError(f"cannot load an image from {text[:60]!r}: not a file, nor base64 image data") from None
+            raise ValueError(f"cannot load an image from {text[:60]!r}: not a file, "
+                             "nor base64 image data") from None
     raise ValueError(f"cannot load an image from a {type(source).__name__}")
 
 
@@ -240,8 +250,6 @@ class OpenClipEncoder:
         allow_random: bool = False,
         device: str | None = None,
     ):
-        import open_clip
-
         if (tower_weights is None or projector_weights is None) and not allow_random:
             raise ValueError(
                 "OpenClipEncoder needs tower_weights and projector_weights from your checkpoint; "
@@ -249,7 +257,8 @@ class OpenClipEncoder:
             )
         if tokens not in ("patches", "pooled"):
             raise ValueError(f"tokens must be 'patches' or 'pooled', got {tokens!r}")
-        model, _, self.preprocess = open_clip.create_model_and_transforms(model_name, pretrained=None)
+        model, _, self.preprocess = open_clip.create_model_and_transforms(model_name,
+                                                                          pretrained=None)
         self.tower = model.visual.eval()
         self.tower.output_tokens = tokens == "patches"
         self.tokens = tokens
@@ -260,7 +269,8 @@ class OpenClipEncoder:
         if projector_weights is not None:
             _load_safetensors(self.projector, projector_weights)
         if tower_weights is None or projector_weights is None:
-            warnings.warn("OpenClipEncoder uses random weights: its spans carry no meaning", stacklevel=2)
+            warnings.warn("OpenClipEncoder uses random weights: its spans carry no meaning",
+                          stacklevel=2)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tower.to(self.device)
         self.projector.to(self.device).eval()
@@ -281,8 +291,6 @@ class OpenClipEncoder:
 
 
 def _load_safetensors(module: torch.nn.Module, path: str | Path, prefix: str = "") -> None:
-    from safetensors.torch import load_file
-
     state = load_file(str(path))
     if prefix and any(k.startswith(prefix) for k in state):
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -290,7 +298,8 @@ def _load_safetensors(module: torch.nn.Module, path: str | Path, prefix: str = "
 
 
 def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """``module.load_state_dict(state)``, every mismatch a ``ValueError`` that starts with ``what``."""
+    """``module.load_state_dict(state)``, every mismatch a ``ValueError`` that starts with
+    ``what``."""
     try:
         missing, unexpected = module.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches

@@ -36,8 +36,8 @@ class UnknownSpanHandle(wire.WireError):
 
     def __init__(self, handle: Any) -> None:
         self.handle = str(handle)[:80]
-        super().__init__(f"unknown span handle {self.handle!r}: never uploaded to this server, deleted, "
-                         "or evicted; send the span's rows instead")
+        super().__init__(f"unknown span handle {self.handle!r}: never uploaded to this server, "
+                         "deleted, or evicted; send the span's rows instead")
 
 
 class SpanStore:
@@ -51,7 +51,8 @@ class SpanStore:
         t = t.detach().contiguous()
         size = nbytes(t)
         if size > self.budget:
-            raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of {self.budget} bytes")
+            raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of "
+                             f"{self.budget} bytes")
         handle = span_handle(t)
         if self._lru.get(handle) is None:  # same rows, same handle: the stored copy is refreshed
             self._lru.put(handle, t.clone())

@@ -13,11 +13,12 @@ from typing import Any, Callable
 from sgl_embeds_srt.placeholders import is_placeholder
 
 
-def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any, *args: Any, **kwargs: Any) -> Any:
+def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any,
+                             *args: Any, **kwargs: Any) -> Any:
     result = original(self, meta_info, state, *args, **kwargs)
-    ids = getattr(state.obj, "input_ids", None)
+    ids = state.obj.input_ids  # state.obj: the request's GenerateReqInput
     entries = meta_info.get("input_token_logprobs")
-    if not entries or not ids or getattr(state.obj, "positional_embed_overrides", None) is None:
+    if not entries or not ids or state.obj.positional_embed_overrides is None:
         return result
     start = state.obj.logprob_start_len if (state.obj.logprob_start_len or 0) > 0 else 0
     for j in range(len(entries)):

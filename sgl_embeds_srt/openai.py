@@ -11,48 +11,45 @@ Extension fields (send them with the official client through ``extra_body``):
 
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
 rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
-for each span, and split at the markers. The handler returns a ``StockRequest`` (the rewritten
-body and the span rows); the middleware hands the body to SGLang's own route and leaves the rows
-on the request's state (``ROWS_STATE_KEY``), and when that route calls
-``TokenizerManager.generate_request`` with the request, ``generate_request`` below attaches them.
-Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
+for each span, and split at the markers. ``completions_body`` / ``chat_body`` give the rewritten
+body and the prompt's rows (``transport.PromptRows``); the middleware hands the body to SGLang's
+own route and leaves the rows in the request's ASGI scope state (``PROMPT_ROWS_KEY``), and when
+that route calls ``TokenizerManager.generate_request`` with the request, ``generate_request``
+below attaches them. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's
+own code.
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from starlette.requests import HTTPConnection
+
+from sgl_embeds_srt import parse, prompts, wire
 from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import is_routing_text
-from sgl_embeds_srt import parse, prompts
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
+from sgl_embeds_srt.keys import is_routing_text
+from sgl_embeds_srt.transport import PromptRows
 
 PART_TYPE = "input_embeds"
-ROWS_STATE_KEY = "sgl_embeds_rows"  # where the span rows wait on the request's state
+PROMPT_ROWS_KEY = "sgl_embeds_prompt_rows"  # where the prompt's rows wait in the scope state
 
 
-@dataclass
-class StockRequest:
-    """A rewritten body for SGLang's own route, and the span rows (``PositionalEmbeds``) to attach."""
-
-    body: dict
-    rows: Any
-
-
-def completions_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = None) -> StockRequest:
-    """A stock ``/v1/completions`` body (prompt = ids) and the span rows to attach."""
+def completions_body(body: dict, spec: prompts.ModelSpec,
+                     store: SpanStore | None = None) -> tuple[dict, PromptRows | None]:
+    """A stock ``/v1/completions`` body (prompt = ids) and the prompt's rows to attach."""
     if body.get("prompt") not in (None, "", []) and not is_routing_text(body["prompt"]):
-        raise ValueError("prompt must be empty (or a gateway routing hint) when input_embeds or input_segments is given")
-    parsed, is_batch = parse.parse_prompts({k: v for k, v in body.items() if k != "prompt"}, parse.max_span_bytes(), store)
+        raise ValueError("prompt must be empty (or a gateway routing hint) when input_embeds or "
+                         "input_segments is given")
+    without_prompt = {k: v for k, v in body.items() if k != "prompt"}
+    parsed, is_batch = parse.parse_prompts(without_prompt, parse.max_span_bytes(), store)
     if is_batch:
-        raise ValueError("/v1/completions takes one span prompt per request; use /generate for batches")
-    ids, overrides = prompts.build_ids(parsed[0], spec)
+        raise ValueError("/v1/completions takes one span prompt per request; "
+                         "use /generate for batches")
+    ids, prompt_rows = prompts.build_ids(parsed[0], spec)
     out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
     out["prompt"] = ids
-    return StockRequest(out, overrides)
+    return out, prompt_rows
 
 
 def chat_has_spans(body: dict) -> bool:
@@ -61,22 +58,24 @@ def chat_has_spans(body: dict) -> bool:
     messages = body.get("messages")
     for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == PART_TYPE for p in content):
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == PART_TYPE
+                                             for p in content):
             return True
     return False
 
 
-def chat_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = None) -> StockRequest:
-    """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the span rows to attach."""
+def chat_body(body: dict, spec: prompts.ModelSpec,
+              store: SpanStore | None = None) -> tuple[dict, PromptRows | None]:
+    """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the prompt's rows to attach."""
     out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
     keep = parse.keep_spans(body, store)
     if body.get("input_embeds") is not None:
         span = parse.decode_span(body["input_embeds"], parse.max_span_bytes(), store, keep)
-        ids, overrides = prompts.build_ids([span], spec)
+        ids, prompt_rows = prompts.build_ids([span], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
         out["input_ids"] = ids
-        return StockRequest(out, overrides)
+        return out, prompt_rows
     spans: list[seg.Embeds] = []
     budget = parse.max_span_bytes()
     messages = []
@@ -99,48 +98,47 @@ def chat_body(body: dict, spec: prompts.ModelSpec, store: SpanStore | None = Non
                 except wire.WireError as e:
                     raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
                 budget -= span.tensor.numel() * 4
+                span.image_grid_thw = parse.image_grid_thw(part.get("image_grid_thw"),
+                                                           f"messages[{i}].content[{j}]: ")
                 text.append(seg.marker(len(spans)))
                 spans.append(span)
             else:
-                raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be 'text' or "
-                                 f"'{PART_TYPE}', got {kind!r}")
+                raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be "
+                                 f"'text' or '{PART_TYPE}', got {kind!r}")
         messages.append({**m, "content": "".join(text)})
-    rendered = render_chat(spec.tokenizer, messages, body)
-    ids, overrides = prompts.build_ids(_spans_of_rendered_chat(rendered, spans), spec, specials_first=False)
-    out["messages"] = [{**m, "content": seg.strip_markers(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+    rendered = chat_text(spec.tokenizer, messages, body)
+    segments = _segments_of_chat_text(rendered, spans)
+    ids, prompt_rows = prompts.build_ids(segments, spec, specials_first=False)
+    out["messages"] = [{**m, "content": seg.strip_markers(m["content"])}
+                       if isinstance(m.get("content"), str) else m for m in messages]
     out["input_ids"] = ids
-    return StockRequest(out, overrides)
+    return out, prompt_rows
 
 
-def render_chat(tokenizer: Any, messages: list, body: dict) -> str:
+def chat_text(tokenizer: Any, messages: list, body: dict) -> str:
+    """The messages as the tokenizer's chat template renders them (markers where spans stand)."""
     kwargs = dict(body.get("chat_template_kwargs") or {})
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **kwargs)
     except Exception as e:  # a template error is the request's problem (bad roles, ...)
         raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
-def _spans_of_rendered_chat(text: str, spans: list[seg.Embeds]) -> list[seg.Segment]:
+def _segments_of_chat_text(text: str, spans: list[seg.Embeds]) -> list[seg.Segment]:
     prompt = seg.split_at_markers(text, dict(enumerate(spans)))
     if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(spans):
         raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
     return prompt.segments
 
 
-async def completions_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
-    return await asyncio.to_thread(completions_body, body, ctx.spec, ctx.store)
-
-
-async def chat_route(body: dict, request: Any, ctx: prompts.RouteContext) -> StockRequest:
-    return await asyncio.to_thread(chat_body, body, ctx.spec, ctx.store)
-
-
 def generate_request(original: Callable, self: Any, obj: Any, request: Any = None) -> Any:
-    """AROUND hook of ``TokenizerManager.generate_request``: attach the span rows that an OpenAI
-    route left on the request's state to the ``GenerateReqInput`` SGLang's handler built."""
-    state = getattr(request, "state", None)
-    rows = getattr(state, ROWS_STATE_KEY, None) if state is not None else None
-    if rows is not None:
-        delattr(state, ROWS_STATE_KEY)  # once: a retried call must not attach them twice
-        obj.positional_embed_overrides = rows
+    """AROUND hook of ``TokenizerManager.generate_request``: attach the prompt's rows that the
+    middleware left in the request's scope state to the ``GenerateReqInput`` SGLang's OpenAI
+    handler built (``request``: a Starlette request, or None from the ``Engine``)."""
+    scope_state = request.scope.get("state") if isinstance(request, HTTPConnection) else None
+    # pop: once, a retried call must not attach them twice
+    prompt_rows = scope_state.pop(PROMPT_ROWS_KEY, None) if scope_state else None
+    if prompt_rows is not None:
+        obj.positional_embed_overrides = prompt_rows
     return original(self, obj, request)

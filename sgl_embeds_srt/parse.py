@@ -44,7 +44,8 @@ def keep_spans(body: dict, store: SpanStore | None) -> bool:
     return keep
 
 
-def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, keep: bool = False) -> Embeds:
+def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None,
+                keep: bool = False) -> Embeds:
     """A wire tensor (kept in ``store`` if ``keep``), or ``{"handle": ...}`` looked up there."""
     if isinstance(obj, dict) and "handle" in obj:
         if store is None:
@@ -56,8 +57,20 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, keep: 
     return Embeds(t, store.put(t) if keep else None)
 
 
-def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES, store: SpanStore | None = None,
-                       keep: bool = False) -> list[Segment]:
+def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:
+    """A span's ``image_grid_thw`` from the wire (None when absent): ``[t, h, w]`` of positive ints,
+    the image's patch grid before the spatial merge (whether it fits the rows and the model is
+    checked in ``prompts.build_ids``)."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise wire.WireError(f"{where}image_grid_thw must be [t, h, w] of positive ints, got {value!r}")
+    return int(value[0]), int(value[1]), int(value[2])
+
+
+def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,
+                       store: SpanStore | None = None, keep: bool = False) -> list[Segment]:
     """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
     if not isinstance(items, list) or not items:
         raise wire.WireError("input_segments must be a non-empty list of segment objects")
@@ -88,19 +101,23 @@ def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES, store: 
             except wire.WireError as e:
                 raise wire.WireError(f"segment {i}: {e}") from None
             budget -= span.tensor.numel() * 4
+            span.image_grid_thw = image_grid_thw(item.get("image_grid_thw"), f"segment {i}: ")
             out.append(span)
         else:
-            raise wire.WireError(f"segment {i}: unknown type {kind!r} (use text, input_ids or embeds)")
+            raise wire.WireError(f"segment {i}: unknown type {kind!r} "
+                                 "(use text, input_ids or embeds)")
     return out
 
 
-def parse_prompts(body: dict, max_bytes: int, store: SpanStore | None = None) -> tuple[list[list[Segment]], bool]:
+def parse_prompts(body: dict, max_bytes: int,
+                  store: SpanStore | None = None) -> tuple[list[list[Segment]], bool]:
     """The span prompts of a request body: (one segment list per prompt, is_batch)."""
     if body.get("input_segments") is not None and body.get("input_embeds") is not None:
         raise ValueError("give either input_segments or input_embeds, not both")
     if body.get("text") is not None and not is_routing_text(body["text"]):
-        raise ValueError("text cannot be combined with input_segments/input_embeds (except a gateway "
-                         "routing hint, see sgl_embeds_srt.keys): put the text in input_segments instead")
+        raise ValueError("text cannot be combined with input_segments/input_embeds (except a "
+                         "gateway routing hint, see sgl_embeds_srt.keys): put the text in "
+                         "input_segments instead")
     if body.get("input_ids") is not None:
         raise ValueError("input_ids cannot be combined with input_segments/input_embeds: "
                          "put the ids in input_segments instead")
@@ -114,8 +131,9 @@ def parse_prompts(body: dict, max_bytes: int, store: SpanStore | None = None) ->
         if body.get(media) is not None:
             # The multimodal processor rewrites the prompt's ids around its media tokens, which
             # the span rows' positions would not follow (docs/engine.md).
-            raise ValueError(f"span prompts cannot be combined with {media}: encode the media into a span "
-                             "client-side (sgl.image / sgl.region with a vision encoder) instead")
+            raise ValueError(f"span prompts cannot be combined with {media}: encode the media into "
+                             "a span client-side (sgl.image / sgl.region with a vision encoder) "
+                             "instead")
     keep = keep_spans(body, store)
     if body.get("input_segments") is not None:
         items = body["input_segments"]

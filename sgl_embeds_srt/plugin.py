@@ -23,7 +23,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds_srt.cpu import attention
-    from sgl_embeds_srt import engine, logprobs, openai, scheduler, transport
+    from sgl_embeds_srt import engine, image_spans, logprobs, openai, scheduler, transport
 
     table = {
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
@@ -34,6 +34,9 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.GENERATE_REQUEST: (HookType.AROUND, openai.generate_request),
         targets.ENGINE_GENERATE: (HookType.AROUND, engine.generate),
         targets.ENGINE_ASYNC_GENERATE: (HookType.AROUND, engine.async_generate),
+        targets.CREATE_TOKENIZED_OBJECT: (HookType.AROUND, image_spans.create_tokenized_object),
+        targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, image_spans.handle_generate_request),
+        targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, image_spans.get_embedding_and_mask),
     }
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)

@@ -12,20 +12,23 @@ so ``[text A, span, text B]`` is exactly ``tok(A) + span + tok(B, no specials)``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 import torch
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.segments import Ids, Segment, Text
 from sgl_embeds_srt.handles import SpanStore
+from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
+from sgl_embeds_srt.keys import span_handle
 from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
+from sgl_embeds_srt.segments import Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
+from sgl_embeds_srt.transport import PromptRows
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """What the server knows of the model that a span prompt must agree with."""
 
@@ -34,32 +37,27 @@ class ModelSpec:
     vocab_size: int
     context_len: int
     tokenizer: Any
+    vision: VisionSpec | None = None  # an M-RoPE VLM served natively: spans are images
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
         mc = tm.model_config
-        return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer)
+        return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer,
+                   VisionSpec.of(mc.hf_config))
 
 
-@dataclass(frozen=True)
-class RouteContext:
-    """What an HTTP route handler needs from the server (given to it by the middleware)."""
-
-    spec: ModelSpec  # the served model
-    store: SpanStore  # spans kept by handle
-
-
-def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = True) -> tuple[list[int], Any]:
+def build_ids(segments: list[Segment], spec: ModelSpec,
+              specials_first: bool = True) -> tuple[list[int], PromptRows | None]:
     """Token ids (placeholders at span rows) and the span rows at their positions
-    (``transport.SpanEmbeds``, SGLang's ``PositionalEmbeds`` with each span's handle).
+    (``transport.PromptRows``; None without spans). On an M-RoPE VLM every span is an image
+    (``image_spans.py``): the image token at its rows, and its item in ``PromptRows.images``.
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
-    from sgl_embeds_srt.transport import span_embeds
-
     ids: list[int] = []
-    rows: list[torch.Tensor] = []
+    rows_per_span: list[torch.Tensor] = []
     handles: list[str | None] = []
     positions: list[int] = []
+    images: list[ImageSpan] = []
     for i, s in enumerate(segments):
         if isinstance(s, Text):
             if spec.tokenizer is None:
@@ -78,16 +76,28 @@ def build_ids(segments: list[Segment], spec: ModelSpec, specials_first: bool = T
             t = s.tensor.to(spec.dtype)
             if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
                 raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
+            check_image_span(s.image_grid_thw, t.shape[0], spec.vision, ids[-1] if ids else None,
+                             f"segment {i}: ")
             positions.extend(range(len(ids), len(ids) + t.shape[0]))
-            ids.extend(placeholder_ids(t, s.handle))
-            rows.append(t)
+            if spec.vision is None:
+                ids.extend(placeholder_ids(t, s.handle))
+            else:  # the span's content key: its handle, or computed once here
+                key = s.handle or span_handle(s.tensor)
+                images.append(ImageSpan(key, s.image_grid_thw, len(ids), t.shape[0]))
+                ids.extend([spec.vision.image_token_id] * t.shape[0])
+            rows_per_span.append(t)
             handles.append(s.handle)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
     if len(ids) >= spec.context_len:
         raise ValueError(f"the prompt has {len(ids)} positions (text tokens + span rows), more than "
                          f"the model's context length of {spec.context_len}")
-    return ids, span_embeds(rows, positions, handles) if rows else None
+    if not rows_per_span:
+        return ids, None
+    prompt_rows = PromptRows.from_spans(rows_per_span, handles, positions)
+    if images:
+        prompt_rows.images = image_inputs(ids, images, spec.vision)
+    return ids, prompt_rows
 
 
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:
@@ -95,11 +105,13 @@ def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = No
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
     prompts, is_batch = parse_prompts(body, max_span_bytes(), store)
     built = [build_ids(p, spec) for p in prompts]
-    out = {k: v for k, v in body.items() if k not in SPAN_FIELDS and k != "text"}  # text: a routing hint
+    # text: a routing hint
+    out = {k: v for k, v in body.items() if k not in SPAN_FIELDS and k != "text"}
     if is_batch:
         out["input_ids"] = [ids for ids, _ in built]
-        overrides = [pe for _, pe in built]
-        out["positional_embed_overrides"] = overrides * _parallel_samples(body.get("sampling_params"))
+        per_prompt = [prompt_rows for _, prompt_rows in built]
+        n = _parallel_samples(body.get("sampling_params"))
+        out["positional_embed_overrides"] = per_prompt * n
     else:
         out["input_ids"], out["positional_embed_overrides"] = built[0]
     return out
@@ -107,20 +119,20 @@ def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = No
 
 def _parallel_samples(sampling_params: Any) -> int:
     """``n`` of a batch request: GenerateReqInput repeats the batch n times for parallel sampling."""
-    first = sampling_params[0] if isinstance(sampling_params, list) and sampling_params else sampling_params
+    first = (sampling_params[0] if isinstance(sampling_params, list) and sampling_params
+             else sampling_params)
     n = first.get("n", 1) if isinstance(first, dict) else 1
     return n if isinstance(n, int) and n > 1 else 1
 
 
-def make_generate_req(body: dict, spec: ModelSpec, store: SpanStore | None = None, ignore_unknown: bool = False):
+def make_generate_req(body: dict, spec: ModelSpec, store: SpanStore | None = None,
+                      ignore_unknown: bool = False) -> Any:
     """A ``GenerateReqInput`` for a body with span fields; ``ValueError`` on any bad field.
 
     ``ignore_unknown`` (HTTP): fields ``GenerateReqInput`` does not have are dropped, as stock
     ``/generate`` drops them (a gateway in front adds ``model``, for one). The ``Engine`` keeps
     them, so a misspelt keyword is an error there, as it is for the stock ``Engine.generate``."""
-    import dataclasses
-
-    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.io_struct import GenerateReqInput  # SGLang not ready at plugin load
 
     kwargs = to_generate_kwargs(body, spec, store)
     if ignore_unknown:

@@ -3,8 +3,9 @@
 Stock SGLang treats any ``positional_embed_overrides`` as uncacheable (the same ids could carry
 different vectors). Ours cannot collide: every overridden position holds a placeholder id that is
 a content hash of its row, so the ids alone determine the KV and the cache can stay on. A request
-counts as ours only when *all* its override positions hold placeholder ids; any other overrides
-keep stock behaviour.
+counts as ours only when *all* its override positions hold placeholder ids: ``req_init`` checks
+that once and records it on the request's own carrier (``transport.PromptRows.checked``); any
+other overrides keep stock behaviour.
 """
 
 from __future__ import annotations
@@ -13,52 +14,45 @@ from typing import Any, Callable
 
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
 from sgl_embeds_srt.token_ids import first_bad_position
-
-_FLAG = "_sgl_embeds_span_prompt"
+from sgl_embeds_srt.transport import PromptRows
 
 
 def is_span_prompt(req: Any) -> bool:
-    return getattr(req, _FLAG, False)
-
-
-def _mark(req: Any) -> bool:
-    pe = req.positional_embed_overrides
-    ids = req.origin_input_ids
-    ours = pe is not None and bool(pe.positions) and all(ids[p] >= PLACEHOLDER_BASE for p in pe.positions)
-    setattr(req, _FLAG, ours)
-    return ours
+    prompt_rows = req.positional_embed_overrides
+    return isinstance(prompt_rows, PromptRows) and prompt_rows.span_prompt
 
 
 def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
     """After ``Req.__init__``: undo the stock cache opt-out for span prompts, and abort a request
     holding an id the embedding table cannot look up (the last guard, see ``token_ids.py``)."""
     original(self, *args, **kwargs)
-    pe = self.positional_embed_overrides
-    if pe is not None and pe.embeds is None:  # rows this scheduler should hold but does not (transport.py)
+    overrides = self.positional_embed_overrides
+    if overrides is not None and overrides.embeds is None:  # rows the scheduler lacks (transport.py)
         self.positional_embed_overrides = None  # so its placeholders abort it below
-    if _mark(self):
+    elif overrides is not None and overrides.positions and all(
+            is_placeholder(self.origin_input_ids[p]) for p in overrides.positions):
+        self.positional_embed_overrides = PromptRows.checked(overrides)
         # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
-        from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST
+        from sglang.srt.managers import schedule_batch  # SGLang not ready at plugin load
 
-        self.skip_radix_cache_insert = self.bootstrap_host == FAKE_BOOTSTRAP_HOST
+        self.skip_radix_cache_insert = self.bootstrap_host == schedule_batch.FAKE_BOOTSTRAP_HOST
     abort_unlookupable(self)
 
 
 def abort_unlookupable(req: Any) -> bool:
     """Abort ``req`` (this request only) if an id outside the vocabulary would reach the
     embedding lookup: a bad id, or a placeholder id without its span's rows."""
-    vocab_size = getattr(req, "vocab_size", None)
-    if vocab_size is None or getattr(req, "input_embeds", None) is not None:
+    if req.vocab_size is None or req.input_embeds is not None:
         return False
     spans = req.positional_embed_overrides.positions if is_span_prompt(req) else ()
-    pos = first_bad_position(req.origin_input_ids, vocab_size, spans)
+    pos = first_bad_position(req.origin_input_ids, req.vocab_size, spans)
     if pos is None:
         return False
     token = int(req.origin_input_ids[pos])
     why = " (a span placeholder id without its rows)" if is_placeholder(token) else ""
-    req.positional_embed_overrides = None
-    setattr(req, _FLAG, False)
-    req.set_finish_with_abort(f"token id {token} at position {pos} is outside the vocabulary [0, {vocab_size}){why}")
+    req.positional_embed_overrides = None  # no longer a span prompt either
+    req.set_finish_with_abort(f"token id {token} at position {pos} is outside the vocabulary "
+                              f"[0, {req.vocab_size}){why}")
     return True
 
 
@@ -66,12 +60,12 @@ def req_init_next_round_input(original: Callable, self: Any, *args: Any, **kwarg
     """Match span prompts against the radix cache: hide the overrides from the stock opt-out."""
     if not is_span_prompt(self):
         return original(self, *args, **kwargs)
-    overrides = self.positional_embed_overrides
+    prompt_rows = self.positional_embed_overrides
     self.positional_embed_overrides = None
     try:
         return original(self, *args, **kwargs)
     finally:
-        self.positional_embed_overrides = overrides
+        self.positional_embed_overrides = prompt_rows
 
 
 def prepare_for_extend(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,9 @@ class Ids:
 @dataclass
 class Embeds:
     tensor: torch.Tensor  # [n, hidden]
-    handle: str | None = None  # set on the server when it keeps these rows (srt/handles.py)
+    handle: str | None = None  # set on the server when it keeps these rows (handles.py)
+    # an image's patch grid [t, h, w] before the spatial merge, on M-RoPE VLMs (image_spans.py)
+    image_grid_thw: tuple[int, int, int] | None = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]

@@ -60,10 +60,13 @@ REQ_NEXT_ROUND_INPUT = f"{_SB}.Req.init_next_round_input"
 PREPARE_FOR_EXTEND = f"{_SB}.ScheduleBatch.prepare_for_extend"
 SDPA_FORWARD_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
                        "._run_sdpa_forward_extend")
+HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
+GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
 GENERATE_REQUEST = f"{_TM}.generate_request"
+CREATE_TOKENIZED_OBJECT = f"{_TM}._create_tokenized_object"
 LAUNCH_SERVER = f"{_HTTP}.launch_server"
 ENGINE_GENERATE = f"{_ENGINE}.generate"
 ENGINE_ASYNC_GENERATE = f"{_ENGINE}.async_generate"
@@ -86,6 +89,12 @@ PATCHED: dict[str, Guard] = {
     LAUNCH_SERVER: server(fp="5d31a0080f07c45c"),
     ENGINE_GENERATE: server("tokenizer_manager.generate_request", fp="be5f68cffd34d267"),
     ENGINE_ASYNC_GENERATE: server("tokenizer_manager.generate_request", fp="637a92600005087e"),
+    # image spans (image_spans.py): items handed over as processed multimodal inputs, their rows
+    # moved in before the Req is built, embedded item by item
+    CREATE_TOKENIZED_OBJECT: server("mm_inputs=mm_inputs", "positional_embed_overrides", fp="a31975898450d2ab"),
+    HANDLE_GENERATE_REQUEST: server("recv_req.mm_inputs", "_handle_generate_request", fp="b41817b2226eecbe"),
+    GET_EMBEDDING_AND_MASK: server("_get_precomputed_embedding", "_get_chunked_prefill_embedding",
+                                   "data_embedding_func", fp="c7a8f00f9d06b197"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),
@@ -132,6 +141,26 @@ RELIED_ON: dict[str, Guard] = {
     f"{_SB}.Req.set_finish_with_abort": server("origin_input_ids", "FINISH_ABORT", fp="678e9683a985331a"),
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
         server("replace_embeds", "replace_positions", fp="0c1d0eb6ece06b1b"),
+    # -- image spans on M-RoPE VLMs (image_spans.py): our items adopt a 32-byte identity (no
+    #    hash of the rows), padded ids and M-RoPE positions come from SGLang's own code, the
+    #    scheduler takes our processed inputs as they are and pads with them, and the model
+    #    embeds precomputed items through get_embedding_and_mask, whose per-item results it accepts
+    f"{_SB}.MultimodalDataItem.set_identity": server("_compute_pad_values", fp="1d032d6c2ad5c6e7"),
+    f"{_SB}.MultimodalDataItem.set_pad_value": server("if self.pad_value is not None", fp="331fd6bb5186ccb6"),
+    f"{_SB}.MultimodalProcessorOutput.build_padded_input_ids": server("padding_sequence", fp="24cd07d7b16d5ed9"),
+    f"{_SB}.MultimodalInputs.from_processor_output": server("mrope_positions", fp="07617cafbe8c7750"),
+    "sglang.srt.layers.rotary_embedding.mrope_rope_index.get_rope_index":
+        server("vision_start_token_id", "image_grid_thw", fp="f8a3c2533ae4ae29"),
+    "sglang.srt.managers.scheduler.Scheduler._handle_generate_request":
+        server("_get_multimodal_inputs", "_try_apply_padded_mm_input_ids", fp="e7fbfeba7ed0874e"),
+    "sglang.srt.managers.scheduler.Scheduler._get_multimodal_inputs": server("MMInputsProcessError", fp="2d34dd5096cd9408"),
+    "sglang.srt.managers.scheduler.Scheduler._try_apply_padded_mm_input_ids":
+        server("padded_input_ids", fp="e5ad39f142f55075"),
+    "sglang.srt.managers.mm_schedule._batch_encode_per_image_misses":
+        server("data_embedding_func(miss_items)", "isinstance(all_miss_embedding, list)", fp="f0a32a66f7c8f079"),
+    "sglang.srt.managers.mm_utils.embed_mm_inputs": server("get_embedding_and_mask(", fp="e9aa8c6497e155ee"),
+    "sglang.srt.models.qwen2_5_vl.Qwen2_5_VLForConditionalGeneration.forward":
+        server("general_mm_embed_routine", "mrope_positions", fp="a0968933ad7d0574"),
     # -- client: the sglang module gains sgl.embeds / sgl.region (ADDED_NAMES); a /generate body
     #    passes _add_images; select reads input logprobs; a refused request raises
     #    RuntimeError(<the server's JSON error>), which carries UnknownSpanHandle
@@ -140,7 +169,7 @@ RELIED_ON: dict[str, Guard] = {
     f"{_RE}._assert_success": client("raise RuntimeError(content)", fp="de80c54851f784db"),
     f"{_EXEC}._execute_fill": client("self.text_ += value", fp="382733fd5031b14c"),
     # vlm.checkpoint asks whether SGLang serves an architecture by reading this folder's sources
-    "sglang.srt.models.llama.LlamaForCausalLM": client(),
+    "sglang.srt.models": client(),
 }
 # Names the client adds to SGLang's modules (the DSL); they must not exist there already.
 ADDED_NAMES: dict[str, tuple[str, ...]] = {"sglang": ("embeds", "region")}

@@ -52,7 +52,8 @@ def stock_ids(path: str, body: dict) -> tuple[str, Any] | None:
     return None
 
 
-def first_bad_position(ids: Iterable[int], vocab_size: int, span_positions: Iterable[int] = ()) -> int | None:
+def first_bad_position(ids: Iterable[int], vocab_size: int,
+                       span_positions: Iterable[int] = ()) -> int | None:
     """The first position whose id the embedding table cannot look up: negative, or at least
     ``vocab_size`` and not one of the span rows' positions. None when every id is fine."""
     try:

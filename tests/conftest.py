@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
+from sgl_embeds.testing.qwen_vl import poisoned_vision_dir, tiny_qwen2_5_vl_dir
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
 
@@ -17,6 +18,8 @@ from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
                     "--schedule-conservativeness", "0.01",
                     "--page-size", "1"]
+# A natively served Qwen2.5-VL: SGLang's multimodal path, the vision tower's attention in sdpa on CPU
+QWEN_VL_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +40,11 @@ def _qwen_with_events() -> Server:
     server = Server(tiny_model_dir("qwen2"), extra_args=["--enable-metrics", "--enable-cache-report", "--kv-events-config", events])
     server.kv_events_port = port
     return server
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_dir():
+    return tiny_qwen2_5_vl_dir()
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +81,13 @@ def servers(llava_dirs):
         "llava_qwen": lambda: Server(llava_dirs("qwen2")[1] / "llm", extra_args=["--enable-cache-report"]),
         "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
+        "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=QWEN_VL_ARGS),
+        # image spans: NaN vision weights (the tower must never run on spans; no warm-up request,
+        # whose image would run the NaN tower, and SGLang then answers every later request with
+        # token 0, ours or not), and prefill chunks of 8 positions, so every image is cut
+        "qwen_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_5_vl_dir()),
+                                        extra_args=[*QWEN_VL_ARGS, "--chunked-prefill-size", "8",
+                                                    "--skip-server-warmup"]),
     })
     yield pool
     pool.stop()
@@ -88,8 +103,9 @@ def _pooled(name: str):
     return server
 
 
-llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server = map(
-    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen"])
+(llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
+ qwen_vl_server, qwen_vl_spans_server) = map(
+    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "qwen_vl", "qwen_vl_spans"])
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,23 @@
-"""EmbedsEndpoint without a server: a span sent before goes by handle, and every stock call that
-posts to /generate (gen, select's requests, the fork's prefix commit, streaming, run) is sent
+"""EmbedsEndpoint without a server: a span kept by the server goes by handle, and every stock call
+that posts to /generate (gen, select's requests, the fork's prefix commit, streaming, run) is sent
 again once with the rows inline when the server does not hold the handle."""
 
 from __future__ import annotations
 
 import base64
 import json
-import threading
 
 import pytest
 import torch
 from sglang.lang.backend import runtime_endpoint
+from sglang.lang.ir import SglSamplingParams
 
 from sgl_embeds import backend as backend_module
 from sgl_embeds import lang
 from sgl_embeds_srt import keys
 from sgl_embeds_srt import segments as seg
-from sgl_embeds.backend import EmbedsEndpoint, SentSpans
+from sgl_embeds.backend import EmbedsEndpoint
+from sgl_embeds.writer import KeptSpans, SpanWriter
 
 HIDDEN = 8
 
@@ -71,8 +72,7 @@ def endpoint(monkeypatch):
     monkeypatch.setattr(backend_module, "http_request", server.post)
     ep = EmbedsEndpoint.__new__(EmbedsEndpoint)  # no server to ask for its info
     ep.base_url, ep.api_key, ep.verify, ep.hidden_size = "http://fake", None, None, HIDDEN
-    ep.wire_format, ep.wire_dtype, ep.sent = "base64", None, SentSpans()
-    ep._inline_only = threading.local()
+    ep.writer = SpanWriter(HIDDEN, kept=KeptSpans())
     return ep, server
 
 
@@ -81,8 +81,7 @@ class Executor:
 
     def __init__(self, rows: torch.Tensor) -> None:
         self.images_ = []
-        self.text_ = ""
-        lang.span_table(self)[0] = rows
+        self.sgl_embeds_spans = lang.ProgramSpans(table={0: rows})
         self.text_ = "look " + seg.marker(0) + " now"
 
 
@@ -96,7 +95,6 @@ def test_every_call_goes_by_handle_and_is_resent_inline_once_when_refused(endpoi
     ep, server = endpoint
     rows = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
     s = Executor(rows)
-    from sglang.lang.ir import SglSamplingParams
 
     def do():
         if call == "generate":
@@ -118,3 +116,38 @@ def test_every_call_goes_by_handle_and_is_resent_inline_once_when_refused(endpoi
     do()
     assert _kinds(server, 2) == ["handle", "inline+keep"]  # refused once, resent inline
     assert server.bodies[-1]["text"].endswith(keys.ROUTE_TAG)  # the routing hint rides along
+
+
+def test_the_resend_carries_every_span_of_the_request_inline(endpoint):
+    ep, server = endpoint
+    a, b = torch.ones(2, HIDDEN), torch.zeros(1, HIDDEN)
+    prompt = [seg.Embeds(a), seg.Text(" and "), seg.Embeds(b)]
+    ep.run(input_segments=prompt)
+    server.held.clear()
+    ep.run(input_segments=prompt)
+    refused, resent = server.bodies[1:]
+    assert [set(span) for span in server.spans(refused)] == [{"handle"}, {"handle"}]
+    assert all("data" in s for s in server.spans(resent)) and resent["keep_spans"] is True
+
+
+def test_other_refusals_are_not_resent(endpoint, monkeypatch):
+    ep, server = endpoint
+    s = Executor(torch.ones(1, HIDDEN))
+
+    def refuse(url, json=None, **kwargs):
+        server.bodies.append(json)
+        return Reply(400, {"object": "error", "type": "BadRequest", "message": "no"})
+
+    monkeypatch.setattr(runtime_endpoint, "http_request", refuse)
+    with pytest.raises(RuntimeError, match="no"):
+        ep.commit_lazy_operations(s)
+    assert len(server.bodies) == 1
+
+
+def test_the_memo_of_kept_spans_is_bounded_by_entries():
+    kept = KeptSpans(max_entries=2)
+    rows = [torch.full((1, HIDDEN), float(i)) for i in range(3)]
+    writer = SpanWriter(HIDDEN, kept=kept)
+    for r in rows:
+        writer.fields("input_segments", [[seg.Embeds(r)]], batch=False)
+    assert kept.sizes()[0] == 2 and KeptSpans.key(rows[0]) not in kept and KeptSpans.key(rows[2]) in kept

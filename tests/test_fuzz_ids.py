@@ -10,10 +10,12 @@ from array import array
 
 import pytest
 import requests
+import torch
 
 from helpers import seeded_rows, span, text
 from sgl_embeds_srt import scheduler, token_ids
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
+from sgl_embeds_srt.transport import PromptRows
 
 VOCAB = 507  # the tiny Llama's (its tokenizer's size; checked against the server below)
 
@@ -97,24 +99,24 @@ def test_first_bad_position_skips_span_rows_only():
 
 
 class _FakeReq:
-    """Just what the guard reads and writes of SGLang's ``Req``."""
+    """Just what the guard reads and writes of SGLang's ``Req``; ``span_positions``: a span
+    prompt whose rows stand there (as ``scheduler.req_init`` leaves it)."""
 
-    def __init__(self, ids, overrides=None):
+    def __init__(self, ids, span_positions=None):
         self.origin_input_ids, self.vocab_size, self.input_embeds = array("q", ids), 10, None
-        self.positional_embed_overrides, self.aborted = overrides, None
-        setattr(self, scheduler._FLAG, overrides is not None)
+        self.positional_embed_overrides = (
+            None if span_positions is None
+            else PromptRows(torch.zeros(len(span_positions), 4), span_positions, span_prompt=True))
+        self.aborted = None
 
     def set_finish_with_abort(self, message):
         self.aborted = message
 
 
 def test_the_scheduler_guard_aborts_only_the_bad_request():
-    class Overrides:
-        positions = [1]
-
-    good = _FakeReq([1, PLACEHOLDER_BASE + 1, 3], Overrides())
+    good = _FakeReq([1, PLACEHOLDER_BASE + 1, 3], span_positions=[1])
     assert not scheduler.abort_unlookupable(good) and good.aborted is None
-    stray = _FakeReq([1, PLACEHOLDER_BASE + 1, PLACEHOLDER_BASE + 2], Overrides())
+    stray = _FakeReq([1, PLACEHOLDER_BASE + 1, PLACEHOLDER_BASE + 2], span_positions=[1])
     assert scheduler.abort_unlookupable(stray)
     assert "at position 2" in stray.aborted and "without its rows" in stray.aborted
     assert stray.positional_embed_overrides is None

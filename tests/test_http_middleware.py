@@ -1,11 +1,16 @@
-"""The HTTP middleware in-process (no server): pass-through, body limit, routing of span bodies."""
+"""The HTTP middleware in-process (no server): pass-through, body limit, routing of span bodies,
+and its installation at launch."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import os
+from types import SimpleNamespace
 
 from sgl_embeds_srt import http
+from sgl_embeds_srt.http import asgi, middleware
 
 
 def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
@@ -45,18 +50,18 @@ class _App:
 def test_bodies_without_span_fields_reach_the_stock_route_intact():
     app = _App()
     payload = json.dumps({"text": "hello", "sampling_params": {}}).encode()
-    sent, _ = _call(http.SpanMiddleware(app), payload)
+    sent, _ = _call(middleware.SpanMiddleware(app), payload)
     assert app.bodies == [payload] and sent[-1]["body"] == b"stock"
-    _call(http.SpanMiddleware(app), b"{broken")
+    _call(middleware.SpanMiddleware(app), b"{broken")
     assert app.bodies[-1] == b"{broken"
-    _call(http.SpanMiddleware(app), b'{"input_segments": 1}', path="/health", method="GET")
+    _call(middleware.SpanMiddleware(app), b'{"input_segments": 1}', path="/health", method="GET")
     assert app.bodies[-1] == b'{"input_segments": 1}'
 
 
 def test_a_body_over_the_limit_gets_413_without_reaching_the_app(monkeypatch):
     monkeypatch.setenv("SGL_EMBEDS_MAX_BODY_BYTES", "20")
     app = _App()
-    sent, _ = _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0, 2.0, 3.0, 4.0]]}')
+    sent, _ = _call(middleware.SpanMiddleware(app), b'{"input_embeds": [[1.0, 2.0, 3.0, 4.0]]}')
     assert not app.bodies
     assert sent[0]["status"] == 413 and b"exceeds the limit of 20 bytes" in sent[-1]["body"]
 
@@ -66,12 +71,12 @@ def test_span_bodies_go_to_the_registered_handler(monkeypatch):
 
     async def handler(body, request, ctx):
         calls.append(body)
-        return http.error_response("handled", 400)
+        return asgi.error_response("handled", 400)
 
-    monkeypatch.setattr(http, "server_spec", lambda: None)  # no server here: the handler ignores it
-    monkeypatch.setitem(http.ROUTES, "/generate", (lambda body: "input_embeds" in body, handler))
+    monkeypatch.setattr(asgi, "server_spec", lambda: None)  # no server here: the handler ignores it
+    monkeypatch.setitem(middleware.ROUTES, "/generate", (lambda body: "input_embeds" in body, handler))
     app = _App()
-    sent, _ = _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}')
+    sent, _ = _call(middleware.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}')
     assert calls == [{"input_embeds": [[1.0]]}] and not app.bodies and sent[0]["status"] == 400
 
 
@@ -80,15 +85,15 @@ def test_a_stock_request_reaches_the_stock_route_with_its_rows_on_the_request_st
 
     from sgl_embeds_srt import openai
 
-    rows = object()
+    prompt_rows = object()
 
     async def handler(body, request, ctx):
-        return openai.StockRequest({"prompt": [1, 2, 3]}, rows)
+        return middleware.StockRequest({"prompt": [1, 2, 3]}, prompt_rows)
 
-    monkeypatch.setattr(http, "server_spec", lambda: None)
-    monkeypatch.setitem(http.ROUTES, "/v1/completions", (lambda body: True, handler))
+    monkeypatch.setattr(asgi, "server_spec", lambda: None)
+    monkeypatch.setitem(middleware.ROUTES, "/v1/completions", (lambda body: True, handler))
     app = _App()
-    _call(http.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}', path="/v1/completions")
+    _call(middleware.SpanMiddleware(app), b'{"input_embeds": [[1.0]]}', path="/v1/completions")
     assert app.bodies == [b'{"prompt":[1,2,3]}']
     headers = dict(app.scopes[0]["headers"])
     assert headers[b"content-length"] == str(len(app.bodies[0])).encode()
@@ -99,4 +104,17 @@ def test_a_stock_request_reaches_the_stock_route_with_its_rows_on_the_request_st
     request, obj, seen = Request(app.scopes[0]), Obj(), []
     openai.generate_request(lambda self, o, r: seen.append(o.positional_embed_overrides), None, obj, request)
     openai.generate_request(lambda self, o, r: seen.append(o.positional_embed_overrides), None, Obj(), request)
-    assert seen == [rows, None]  # attached to the first call only
+    assert seen == [prompt_rows, None]  # attached to the first call only
+
+
+def test_launch_installs_the_middleware_once_and_points_workers_at_the_worker_app(monkeypatch):
+    from sglang.srt.entrypoints.http_server import app
+
+    monkeypatch.setattr(app, "user_middleware", list(app.user_middleware))
+    monkeypatch.setenv("SGLANG_HTTP_SERVER_APP_PATH", "sglang.srt.entrypoints.http_server:app")
+    for _ in range(2):
+        http.before_launch_server(SimpleNamespace(tokenizer_worker_num=2))
+    assert [m.cls for m in app.user_middleware].count(middleware.SpanMiddleware) == 1
+    module, _, name = os.environ["SGLANG_HTTP_SERVER_APP_PATH"].partition(":")
+    assert (module, name) == ("sgl_embeds_srt.http.worker_app", "app")
+    assert importlib.util.find_spec(module) is not None

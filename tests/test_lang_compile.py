@@ -6,19 +6,25 @@ import numpy as np
 import pytest
 import sglang as sgl
 import torch
+from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.chat_template import get_chat_template
+from sglang.lang.interpreter import ProgramState, StreamExecutor
 
 import sgl_embeds
 from sgl_embeds import lang
+from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds_srt import segments as seg
 
 
-def _run_fill_only(program, **kwargs):
-    """Execute a program without gen/select on an offline executor (chatml template)."""
-    from sglang.lang.backend.base_backend import BaseBackend
-    from sglang.lang.chat_template import get_chat_template
-    from sglang.lang.interpreter import ProgramState, StreamExecutor
+def _executor(use_thread: bool = True) -> StreamExecutor:
+    """An offline executor (chatml template); one without a thread needs no ``end()``."""
+    template = get_chat_template("chatml")
+    return StreamExecutor(BaseBackend(), {}, None, template, False, use_thread=use_thread)
 
-    ex = StreamExecutor(BaseBackend(), {}, None, get_chat_template("chatml"), False)
+
+def _run_fill_only(program, **kwargs):
+    """Execute a program without gen/select on an offline executor."""
+    ex = _executor()
     program.func(ProgramState(ex), **kwargs)
     ex.sync()
     return ex
@@ -37,7 +43,7 @@ def test_text_and_spans_compile_to_interleaved_segments():
         s += sgl.embeds([0.5] * 8)
 
     ex = _run_fill_only(prog)
-    segs = seg.split_at_markers(ex.text_, lang.span_table(ex)).segments
+    segs = lang.program_segments(ex)
     assert [type(x).__name__ for x in segs] == ["Text", "Embeds", "Text", "Embeds", "Text", "Embeds"]
     assert segs[0] == seg.Text("Describe ") and segs[2] == seg.Text(" and ") and segs[4] == seg.Text(" briefly.")
     assert torch.equal(segs[1].tensor, a) and torch.equal(segs[3].tensor, torch.ones(2, 8)) and segs[5].tensor.shape == (1, 8)
@@ -52,7 +58,7 @@ def test_spans_inside_chat_roles_keep_the_template_around_them():
         s += sgl.user("Look: " + sgl.embeds(x) + " What is it?")
 
     ex = _run_fill_only(prog)
-    segs = seg.split_at_markers(ex.text_, lang.span_table(ex)).segments
+    segs = lang.program_segments(ex)
     assert isinstance(segs[1], seg.Embeds) and len(segs) == 3
     assert segs[0].text.endswith("<|im_start|>user\nLook: ") and segs[2].text.startswith(" What is it?<|im_end|>")
 
@@ -97,3 +103,29 @@ def test_compile_program_lists_what_each_gen_and_select_would_send():
     assert len(sent) == 3
     assert [type(v).__name__ for v in sent[0]] == ["Text", "Embeds", "Text"] and sent[0][2] == seg.Text(" A:")
     assert sent[1][2] == seg.Text(" A: so ") and sent[2][2] == seg.Text(" A: so yes")
+
+
+
+def test_every_executor_gets_its_own_span_record():
+    a, b = _executor(use_thread=False), _executor(use_thread=False)
+    assert isinstance(lang.program_spans(a), lang.ProgramSpans)
+    assert lang.program_spans(a) is not lang.program_spans(b)
+
+
+def test_a_branch_sees_the_images_of_its_parent():
+    @sgl.function
+    def prog(s):
+        s += "Look: " + sgl.image(synthetic_scene())
+        forks = s.fork(2)
+        for f in forks:
+            f += " here: " + sgl.region((0.0, 0.0, 0.5, 0.5)) + sgl.gen("x", max_tokens=1)
+        s["x"] = [f["x"] for f in forks]  # waits for the branches
+
+    sent = sgl_embeds.compile_program(prog, vision_encoder=GridEncoder(hidden=8))
+    kinds = [[type(x).__name__ for x in segs] for segs in sent[:2]]
+    assert kinds == [["Text", "Embeds", "Text", "Embeds"]] * 2  # the image's span, then the region's
+
+
+def test_an_executor_without_the_record_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="import sgl_embeds before running programs"):
+        lang.program_spans(object())

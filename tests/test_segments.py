@@ -35,7 +35,7 @@ def test_placeholder_range_is_far_above_any_vocab_and_fits_int64():
 
 
 def test_prompt_merges_adjacent_text_and_round_trips_the_wire():
-    from sgl_embeds.backend import encode_prompt
+    from sgl_embeds.writer import encode_prompt
 
     p = seg.Prompt()
     p.append(seg.Text("a "))

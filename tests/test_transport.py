@@ -8,9 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt import scheduler, transport
-from sgl_embeds_srt.transport import HandleTransport, SchedulerRows, SpanEmbeds, span_embeds
+from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
+from sgl_embeds_srt.transport import PromptRows, RowsTransport, SchedulerRows
 
 HIDDEN = 8
 
@@ -35,7 +37,8 @@ def rows(n: int, seed: int) -> torch.Tensor:
 def request(spans: list[tuple[torch.Tensor, str | None]]) -> SimpleNamespace:
     """A tokenized request whose prompt is its spans back to back."""
     positions = list(range(sum(r.shape[0] for r, _ in spans)))
-    return SimpleNamespace(positional_embed_overrides=span_embeds([r for r, _ in spans], positions, [h for _, h in spans]))
+    prompt_rows = PromptRows.from_spans([r for r, _ in spans], [h for _, h in spans], positions)
+    return SimpleNamespace(positional_embed_overrides=prompt_rows)
 
 
 @pytest.fixture
@@ -49,7 +52,7 @@ class Link:
     """One HTTP process's transport and a scheduler, joined by a pickling 'socket'."""
 
     def __init__(self, budget: int = 1 << 30) -> None:
-        self.http = HandleTransport(StockTransport(), on=True, budget=budget)
+        self.http = RowsTransport(StockTransport(), on=True, budget=budget)
         self.wire_bytes: list[int] = []
 
     def send(self, *reqs: SimpleNamespace) -> list:
@@ -58,8 +61,8 @@ class Link:
         raw = pickle.dumps([r.positional_embed_overrides for r in reqs], protocol=pickle.HIGHEST_PROTOCOL)
         self.wire_bytes.append(len(raw))
         arrived = pickle.loads(raw)
-        for pe in arrived:
-            pe.reconstruct(0)  # as the scheduler does, first thing
+        for prompt_rows in arrived:
+            prompt_rows.reconstruct(0)  # as the scheduler does, first thing
         return arrived
 
 
@@ -108,6 +111,17 @@ def test_the_budget_bounds_what_the_scheduler_holds(held):
     assert held.sizes()[0] <= 3
 
 
+def test_a_span_over_the_budget_is_still_held_alone(held):
+    link = Link(budget=4 * HIDDEN * 4)  # one span of 4 rows
+    big = rows(8, 11)
+    link.send(request([(big, "span-big")]))
+    assert (link.http.stats()["held_spans"], link.http.stats()["held_bytes"]) == (1, 8 * HIDDEN * 4)
+    assert torch.equal(link.send(request([(big, "span-big")]))[0].embeds, big)
+    assert link.http.stats()["rows_left_out"] == 8
+    link.send(request([(rows(1, 12), "span-small")]))  # the big one makes way, on both sides
+    assert link.http.stats()["held_spans"] == 1 and held.sizes() == (1, 1 * HIDDEN * 4)
+
+
 def test_a_failed_send_is_undone(held):
     link = Link()
     a = rows(4, 7)
@@ -123,24 +137,52 @@ def test_rows_the_scheduler_lacks_abort_that_request_only(held, monkeypatch):
     a = rows(4, 8)
     link.send(request([(a, "span-a")]))
     monkeypatch.setattr(transport, "_SCHEDULER_ROWS", SchedulerRows())  # a scheduler that lost them (never expected)
-    pe = link.send(request([(a, "span-a")]))[0]
-    assert pe.embeds is None and pe.missing == "span-a"
-    req = SimpleNamespace(positional_embed_overrides=pe, origin_input_ids=[1 << 62] * 4, vocab_size=100,
-                          input_embeds=None, bootstrap_host=None, aborted=None)
-    req.set_finish_with_abort = lambda message: setattr(req, "aborted", message)
-    scheduler.req_init(lambda self: None, req)
+    prompt_rows = link.send(request([(a, "span-a")]))[0]
+    assert prompt_rows.embeds is None and prompt_rows.missing == "span-a"
+    req = scheduler_req(prompt_rows, [PLACEHOLDER_BASE] * 4)
     assert req.positional_embed_overrides is None and "without its rows" in req.aborted
 
 
-def test_off_or_without_handles_the_rows_go_as_stock_overrides():
-    from sglang.srt.managers.embed_types import PositionalEmbeds
+def scheduler_req(overrides, ids: list[int]) -> SimpleNamespace:
+    """SGLang's ``Req`` as ``scheduler.req_init`` finds it after the stock ``__init__``."""
+    req = SimpleNamespace(positional_embed_overrides=overrides, origin_input_ids=ids, vocab_size=100,
+                          input_embeds=None, bootstrap_host=None, skip_radix_cache_insert=True,
+                          aborted=None)
+    req.set_finish_with_abort = lambda message: setattr(req, "aborted", message)
+    scheduler.req_init(lambda self: None, req)
+    return req
 
+
+def test_a_span_prompt_is_one_whose_every_override_position_holds_a_placeholder(held):
+    """Recorded on the request's own carrier (a new one: requests may share what arrived), also
+    when the rows came as SGLang's own ``PositionalEmbeds`` (transport off); only then does the
+    request keep the radix cache."""
+    a = rows(2, 10)
+    spans = Link().send(request([(a, "span-a")]))[0]
+    stock = PositionalEmbeds(a, [1, 2])
+    for arrived, positions in [(spans, [0, 1]), (stock, [1, 2])]:
+        ids = [5, 6, 7]
+        for p in positions:
+            ids[p] = PLACEHOLDER_BASE + p
+        req = scheduler_req(arrived, ids)
+        assert scheduler.is_span_prompt(req) and not req.skip_radix_cache_insert
+        assert req.aborted is None and req.positional_embed_overrides is not arrived
+        assert torch.equal(req.positional_embed_overrides.embeds, a)
+        stock_prompt = scheduler_req(arrived, [5, 6, 7])  # overrides over tokens: stock, uncached
+        assert not scheduler.is_span_prompt(stock_prompt) and stock_prompt.skip_radix_cache_insert
+        assert stock_prompt.positional_embed_overrides is arrived and scheduler.is_span_prompt(req)
+        ids[positions[1]] = 3  # one override position holds a token: no span prompt, and its
+        mixed = scheduler_req(arrived, ids)  # placeholder id cannot be looked up
+        assert not scheduler.is_span_prompt(mixed) and "outside the vocabulary" in mixed.aborted
+
+
+def test_off_or_without_handles_the_rows_go_as_stock_overrides():
     a = rows(3, 9)
-    off = HandleTransport(StockTransport(), on=False, budget=1 << 20)
+    off = RowsTransport(StockTransport(), on=False, budget=1 << 20)
     req = request([(a, "span-a")])
     off.prepare_for_dispatch([req])
     assert type(req.positional_embed_overrides) is PositionalEmbeds and torch.equal(req.positional_embed_overrides.embeds, a)
-    on = HandleTransport(StockTransport(), on=True, budget=1 << 20)
+    on = RowsTransport(StockTransport(), on=True, budget=1 << 20)
     req = request([(a, None)])
     on.prepare_for_dispatch([req])
     assert type(req.positional_embed_overrides) is PositionalEmbeds

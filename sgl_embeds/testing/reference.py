@@ -10,13 +10,14 @@ degenerate and, given the same prompt with another span, that the span changes i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Collection
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 NEAR_TIE = 1e-3
 # Every near-tie forgiven since the last reset, by context: tests/conftest.py resets it before each
@@ -26,31 +27,31 @@ FORGIVEN: list[str] = []
 
 @dataclass
 class Greedy:
-    """HF's greedy continuation: its tokens, and at each step the runner-up and the top-2 gap."""
+    """HF's greedy continuation: its tokens, and at each step the runner-up, the top-2 gap and the
+    chosen token's logprob (log-softmax of the logits)."""
 
     tokens: list[int]
     runner_ups: list[int]
     gaps: list[float]
+    logprobs: list[float] = field(default_factory=list)
 
 
 def _greedy_from_scores(sequences: torch.Tensor, scores: tuple) -> Greedy:
     tokens = sequences[0].tolist()[-len(scores):]
     top2 = [s[0].float().topk(2) for s in scores]
-    return Greedy(tokens, [int(t.indices[1]) for t in top2], [float(t.values[0] - t.values[1]) for t in top2])
+    logprobs = [float(s[0].double().log_softmax(-1)[t]) for s, t in zip(scores, tokens)]
+    return Greedy(tokens, [int(t.indices[1]) for t in top2], [float(t.values[0] - t.values[1]) for t in top2],
+                  logprobs)
 
 
 @lru_cache(maxsize=4)
 def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
 @lru_cache(maxsize=4)
 def hf_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -147,6 +148,24 @@ def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], 
     return forgiven
 
 
+LOGPROB_TOL = 1e-4  # float32 both sides: seen <= 5e-7 (tiny Qwen2.5-VL); the rows x1.01 move them 4.4e-4
+
+
+def assert_logprobs_match(tokens: list[int], logprobs: list[float], reference: Greedy, context: str = "",
+                          tol: float = LOGPROB_TOL) -> int:
+    """Our output tokens' logprobs equal HF's within ``tol`` up to the first token where our run
+    left HF's (a forgiven near-tie); returns how many were compared."""
+    n = 0
+    while n < min(len(tokens), len(reference.tokens)) and tokens[n] == reference.tokens[n]:
+        n += 1
+    assert n > 0, f"{context}no logprobs to compare"
+    ours = logprobs
+    worst = max(abs(a - b) for a, b in zip(ours[:n], reference.logprobs[:n]))
+    assert worst <= tol, (f"{context}logprobs differ from HF's by up to {worst:.2e} (tolerance {tol:.0e}): "
+                          f"ours {[round(x, 4) for x in ours[:n]]} vs HF {[round(x, 4) for x in reference.logprobs[:n]]}")
+    return n
+
+
 def assert_not_degenerate(tokens: list[int], context: str = "", min_distinct: int = 3) -> None:
     """A reference of one repeated token would make an equality check nearly vacuous."""
     assert len(set(tokens)) >= min_distinct, f"{context}reference output is degenerate: {tokens}"
@@ -157,8 +176,6 @@ def assert_not_degenerate(tokens: list[int], context: str = "", min_distinct: in
 
 @lru_cache(maxsize=4)
 def hf_llava(checkpoint: str):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
     model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(checkpoint)
 

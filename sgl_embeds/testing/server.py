@@ -7,6 +7,7 @@ schedule, float32, and a thread count per process that leaves the cores to the m
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import requests
+import sglang as sgl
+import torch
 
 READY_TIMEOUT_S = 240.0
 
@@ -47,12 +50,7 @@ def cpu_env(threads: int | None = None) -> dict[str, str]:
 
 def on_cpu() -> bool:
     """CPU unless a CUDA device is usable (the same tests then run on the GPU)."""
-    try:
-        import torch
-
-        return not torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        return True
+    return not torch.cuda.is_available()
 
 
 def default_launch_args(dtype: str = "float32") -> list[str]:
@@ -175,8 +173,6 @@ class Server:
 
 def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[Server]:
     """Start several servers at once (their startups overlap); all stopped if one fails."""
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
         futures = [pool.submit(s.start, timeout) for s in servers]
         errors = [f.exception() for f in futures]
@@ -280,8 +276,6 @@ class Gateway:
 def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
     """An in-process ``sglang.Engine`` with the same launch defaults."""
     os.environ.update({k: v for k, v in cpu_env().items() if k.startswith(("SGLANG_", "HF_", "TRANSFORMERS_"))})
-    import sglang as sgl
-
     opts: dict[str, Any] = dict(model_path=str(model_dir), dtype=dtype, log_level="error")
     if on_cpu():
         opts.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,

@@ -14,4 +14,5 @@ from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds.vlm.tower import LlavaEncoder, VisionConfig, load_encoder
 
-__all__ = ["split", "load_encoder", "LlavaEncoder", "VisionConfig", "ImageProcessing", "image_prompt", "render_chat"]
+__all__ = ["split", "load_encoder", "LlavaEncoder", "VisionConfig", "ImageProcessing", "image_prompt",
+           "render_chat"]

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from sgl_embeds.vlm.checkpoint import split
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sgl_embeds.vlm", description=__doc__)
@@ -14,8 +16,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="an HF LlavaForConditionalGeneration directory (safetensors)")
     p.add_argument("dst", help="output directory")
     args = parser.parse_args(argv)
-    from sgl_embeds.vlm.checkpoint import split
-
     start = time.monotonic()
     try:
         llm, vision = split(args.src, args.dst)

@@ -17,12 +17,18 @@ Weights are read with safetensors only: a ``.bin`` checkpoint is refused, never 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers.image_processing_backends import TorchvisionBackend
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
@@ -35,8 +41,6 @@ _LLM_FILES = ("generation_config.json",)
 
 def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
     """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths."""
-    from transformers import AutoConfig
-
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
     if raw.get("model_type") != "llava":
@@ -53,7 +57,8 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     weights = _weight_index(src)
     llm_keys, tower_keys, projector_keys = _partition(weights)
     vision = _vision_config(src, config, projector_keys)
-    log(f"[split] {len(llm_keys)} language-model tensors, {len(tower_keys)} tower, {len(projector_keys)} projector")
+    log(f"[split] {len(llm_keys)} language-model tensors, {len(tower_keys)} tower, "
+        f"{len(projector_keys)} projector")
 
     llm_dir, vision_dir = dst / "llm", dst / "vision"
     for d in (llm_dir, vision_dir):
@@ -63,15 +68,14 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     tower = clip_to_open_clip({k: tensors[full] for k, full in tower_keys.items()}, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
     state.update({f"projector.{k}": tensors[full].contiguous() for k, full in projector_keys.items()})
-    from safetensors.torch import save_file
-
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (vision_dir / CONFIG_NAME).write_text(vision.to_json())
     template = _processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width {vision.tower.width}), "
-        f"feature layers {list(vision.feature_layers)}, {vision.rows_per_image} rows per image -> {vision_dir}")
+        f"feature layers {list(vision.feature_layers)}, {vision.rows_per_image} rows per image "
+        f"-> {vision_dir}")
     return llm_dir, vision_dir
 
 
@@ -82,21 +86,19 @@ def _read_json(path: Path) -> dict:
 
 
 def _causal_lm_architecture(text_config) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     arch = (getattr(text_config, "architectures", None) or [None])[0]
     arch = arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text_config.model_type)
     if arch is None:
-        raise ValueError(f"text_config.model_type {text_config.model_type!r} has no causal-LM class in transformers")
+        raise ValueError(f"text_config.model_type {text_config.model_type!r} has no causal-LM "
+                         "class in transformers")
     if not _sglang_serves(arch):
-        raise ValueError(f"text_config: SGLang has no model class {arch!r}, so it cannot serve this language model")
+        raise ValueError(f"text_config: SGLang has no model class {arch!r}, so it cannot serve "
+                         "this language model")
     return arch
 
 
 def _sglang_serves(arch: str) -> bool:
     """Whether SGLang's model folder defines ``arch`` (read as text: importing every model is slow)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return True  # a client-only machine: the server will say so when it loads the model
@@ -107,8 +109,6 @@ def _sglang_serves(arch: str) -> bool:
 
 def _weight_index(src: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
-
     index = src / "model.safetensors.index.json"
     if index.exists():
         return {k: src / f for k, f in _read_json(index)["weight_map"].items()}
@@ -130,8 +130,6 @@ class _Tensors:
         self._files: dict[Path, object] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         path = self.weights[key]
         if path not in self._files:
             self._files[path] = safe_open(str(path), "pt")
@@ -170,9 +168,9 @@ def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionC
     unknown = sorted(set(projector_keys) - known)
     declared = getattr(config, "projector_type", None) or getattr(config, "mm_projector_type", None)
     if unknown or (declared not in (None, "mlp2x_gelu")):
-        raise ValueError(f"unknown projector type (projector_type={declared!r}, keys "
-                         f"{['multi_modal_projector.' + k for k in unknown] or sorted(projector_keys)}): only "
-                         "LLaVA's linear_1 -> act -> linear_2 is supported")
+        named = ["multi_modal_projector." + k for k in unknown] or sorted(projector_keys)
+        raise ValueError(f"unknown projector type (projector_type={declared!r}, keys {named}): "
+                         "only LLaVA's linear_1 -> act -> linear_2 is supported")
     for key in ("linear_1.weight", "linear_2.weight"):
         if key not in projector_keys:
             raise ValueError(f"missing projector weight multi_modal_projector.{key}")
@@ -180,8 +178,9 @@ def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionC
     v = config.vision_config
     layers = config.vision_feature_layer
     geometry = TowerGeometry(
-        image_size=v.image_size, patch_size=v.patch_size, width=v.hidden_size, layers=v.num_hidden_layers,
-        heads=v.num_attention_heads, mlp_width=v.intermediate_size, act=v.hidden_act, layer_norm_eps=v.layer_norm_eps,
+        image_size=v.image_size, patch_size=v.patch_size, width=v.hidden_size,
+        layers=v.num_hidden_layers, heads=v.num_attention_heads, mlp_width=v.intermediate_size,
+        act=v.hidden_act, layer_norm_eps=v.layer_norm_eps,
     )
     processing, image_token, rows_by_processor = _image_processing(src)
     vision = VisionConfig(
@@ -191,8 +190,9 @@ def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionC
         image_token=image_token, image_token_id=config.image_token_id,
     )
     if rows_by_processor is not None and rows_by_processor != vision.rows_per_image:
-        raise ValueError(f"the processor expands {image_token!r} into {rows_by_processor} tokens but the tower "
-                         f"gives {vision.rows_per_image} rows (check num_additional_image_tokens and patch_size)")
+        raise ValueError(f"the processor expands {image_token!r} into {rows_by_processor} tokens "
+                         f"but the tower gives {vision.rows_per_image} rows (check "
+                         "num_additional_image_tokens and patch_size)")
     if processing.crop_size != (v.image_size, v.image_size):
         raise ValueError(f"image processor crop_size {processing.crop_size} differs from the tower's "
                          f"image_size {v.image_size}")
@@ -201,9 +201,6 @@ def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionC
 
 def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
     """The checkpoint's image processing, its image token, and the rows its processor expands it to."""
-    from transformers import AutoImageProcessor
-    from transformers.image_processing_backends import TorchvisionBackend
-
     processor = AutoImageProcessor.from_pretrained(src)
     if getattr(processor, "do_pad", False):
         raise ValueError("image processor do_pad=True (pad to square) is not supported")
@@ -217,7 +214,8 @@ def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
     rows = None
     if settings.get("patch_size"):
         h, w = processing.crop_size
-        rows = (h // settings["patch_size"]) * (w // settings["patch_size"]) + settings.get("num_additional_image_tokens", 0)
+        rows = ((h // settings["patch_size"]) * (w // settings["patch_size"])
+                + settings.get("num_additional_image_tokens", 0))
         if settings.get("vision_feature_select_strategy") == "default":
             rows -= 1
     return processing, image_token, rows
@@ -233,9 +231,6 @@ def _processor_chat_template(src: Path) -> str | None:
 
 def _write_llm(src: Path, config, arch: str, tensors: _Tensors, llm_keys: dict[str, str],
                out: Path, log: Callable[[str], None]) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
     text = config.text_config
     text.architectures = [arch]
     text.save_pretrained(out)
@@ -256,7 +251,8 @@ def _write_llm(src: Path, config, arch: str, tensors: _Tensors, llm_keys: dict[s
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(out / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in shard})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(src)
     if not tokenizer.chat_template:
         tokenizer.chat_template = _processor_chat_template(src)

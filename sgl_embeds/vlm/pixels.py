@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from PIL import Image
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as tvF
 
 # PIL resample codes (as saved in processor configs) -> torchvision interpolation names.
 _RESAMPLE = {0: "NEAREST_EXACT", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
@@ -41,11 +43,14 @@ class ImageProcessing:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"image processing backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ValueError(f"image processing backend must be one of {BACKENDS}, "
+                             f"got {self.backend!r}")
         if self.resample not in _RESAMPLE:
-            raise ValueError(f"unknown resample code {self.resample!r}: use one of {sorted(_RESAMPLE)}")
+            raise ValueError(f"unknown resample code {self.resample!r}: "
+                             f"use one of {sorted(_RESAMPLE)}")
         if self.do_resize and (self.shortest_edge is None) == (self.resize_to is None):
-            raise ValueError("give exactly one of shortest_edge and resize_to when do_resize is set")
+            raise ValueError("give exactly one of shortest_edge and resize_to when do_resize "
+                             "is set")
 
     @classmethod
     def from_hf(cls, processor, backend: str) -> "ImageProcessing":
@@ -55,12 +60,14 @@ class ImageProcessing:
             raise ValueError(f"image processor 'size' {dict(size)} is not supported: "
                              "use shortest_edge or height/width")
         return cls(
-            backend=backend, do_convert_rgb=bool(processor.do_convert_rgb), do_resize=bool(processor.do_resize),
+            backend=backend, do_convert_rgb=bool(processor.do_convert_rgb),
+            do_resize=bool(processor.do_resize),
             shortest_edge=size.shortest_edge,
             resize_to=None if size.shortest_edge else (size.height, size.width),
             resample=int(processor.resample), do_center_crop=bool(processor.do_center_crop),
             crop_size=(crop.height, crop.width), do_rescale=bool(processor.do_rescale),
-            rescale_factor=float(processor.rescale_factor), do_normalize=bool(processor.do_normalize),
+            rescale_factor=float(processor.rescale_factor),
+            do_normalize=bool(processor.do_normalize),
             image_mean=tuple(float(v) for v in processor.image_mean),
             image_std=tuple(float(v) for v in processor.image_std),
         )
@@ -97,13 +104,11 @@ class ImageProcessing:
         return (new_long, new_short) if width <= height else (new_short, new_long)
 
     def _torchvision(self, image: Image.Image) -> torch.Tensor:
-        from torchvision.transforms.v2 import InterpolationMode
-        from torchvision.transforms.v2 import functional as tvF
-
         x = tvF.pil_to_tensor(image)
         if self.do_resize:
             mode = getattr(InterpolationMode, _RESAMPLE[self.resample])
-            x = tvF.resize(x, list(self._resized_hw(*x.shape[-2:])), interpolation=mode, antialias=True)
+            size = list(self._resized_hw(*x.shape[-2:]))
+            x = tvF.resize(x, size, interpolation=mode, antialias=True)
         if self.do_center_crop:
             x = _center_crop_tv(x, *self.crop_size)
         if self.do_normalize:
@@ -132,8 +137,6 @@ class ImageProcessing:
 
 
 def _center_crop_tv(x: torch.Tensor, crop_h: int, crop_w: int) -> torch.Tensor:
-    from torchvision.transforms.v2 import functional as tvF
-
     height, width = x.shape[-2:]
     if crop_w > width or crop_h > height:  # pad with zeros first, as the processor does
         pad = [max(crop_w - width, 0) // 2, max(crop_h - height, 0) // 2,

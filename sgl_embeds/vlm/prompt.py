@@ -18,18 +18,21 @@ from typing import Any, Sequence
 
 import sglang as sgl
 from sglang.lang.ir import SglExpr
+from transformers.utils.chat_template_utils import render_jinja_template
 
 
-def render_chat(vision_dir: str | Path, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any) -> str:
+def render_chat(vision_dir: str | Path, messages: list[dict], add_generation_prompt: bool = True,
+                **template_vars: Any) -> str:
     """The prompt text the checkpoint's processor would build for ``messages`` (image parts are
     ``{"type": "image"}``), rendered by transformers' own chat-template renderer."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     path = Path(vision_dir) / "chat_template.jinja"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the checkpoint had no chat template; write the prompt text yourself")
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=path.read_text(),
-                                        add_generation_prompt=add_generation_prompt, **template_vars)
+        raise FileNotFoundError(f"{path} is missing: the checkpoint had no chat template; "
+                                "write the prompt text yourself")
+    rendered, _ = render_jinja_template(
+        conversations=[messages], chat_template=path.read_text(),
+        add_generation_prompt=add_generation_prompt, **template_vars,
+    )
     return rendered[0]
 
 
@@ -38,7 +41,8 @@ def image_prompt(text: str, images: Sequence[Any], image_token: str = "<image>")
     given ``SglExpr``, e.g. ``sgl.region(box, image)``), as one program expression."""
     pieces = text.split(image_token)
     if len(pieces) - 1 != len(images):
-        raise ValueError(f"the prompt has {len(pieces) - 1} {image_token!r} tokens but {len(images)} images were given")
+        raise ValueError(f"the prompt has {len(pieces) - 1} {image_token!r} tokens but "
+                         f"{len(images)} images were given")
     expr: Any = pieces[0]
     for image, piece in zip(images, pieces[1:]):
         expr = expr + (image if isinstance(image, SglExpr) else sgl.image(image))

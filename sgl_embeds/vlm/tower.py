@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from open_clip.transformer import LayerNorm, QuickGELU, VisionTransformer
 from PIL import Image
+from safetensors.torch import load_file
 
 from sgl_embeds.vision import load_state
 from sgl_embeds.vlm.pixels import ImageProcessing
@@ -29,15 +31,9 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "sgl_embeds.llava_vision/1"
 
 
-def _quick_gelu() -> torch.nn.Module:
-    from open_clip.transformer import QuickGELU  # open_clip only where a tower is built
-
-    return QuickGELU()
-
-
 # HF activation names (``hidden_act``, ``projector_hidden_act``) -> a module factory.
 ACTIVATIONS: dict[str, Callable[[], torch.nn.Module]] = {
-    "quick_gelu": _quick_gelu,
+    "quick_gelu": QuickGELU,
     "gelu": torch.nn.GELU,
     "gelu_pytorch_tanh": partial(torch.nn.GELU, approximate="tanh"),
     "gelu_new": partial(torch.nn.GELU, approximate="tanh"),
@@ -78,16 +74,19 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         if self.select_strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {self.select_strategy!r}")
+            raise ValueError("vision_feature_select_strategy must be 'default' or 'full', "
+                             f"got {self.select_strategy!r}")
         for name, act in (("tower activation", self.tower.act), ("projector_hidden_act", self.projector_act)):
             if act not in ACTIVATIONS:
                 raise ValueError(f"{name} {act!r} is not supported: use one of {list(ACTIVATIONS)}")
         n = self.tower.layers
         for layer in self.feature_layers:
             if not -(n + 1) <= layer <= n:
-                raise ValueError(f"vision_feature_layer {layer} is outside the tower's hidden states [-{n + 1}, {n}]")
+                raise ValueError(f"vision_feature_layer {layer} is outside the tower's hidden "
+                                 f"states [-{n + 1}, {n}]")
             if layer % (n + 1) == 0:
-                raise ValueError("vision_feature_layer 0 (the patch embeddings, before any block) is not supported")
+                raise ValueError("vision_feature_layer 0 (the patch embeddings, before any block) "
+                                 "is not supported")
 
     @property
     def rows_per_image(self) -> int:
@@ -118,8 +117,6 @@ class VisionConfig:
 
 def build_tower(geometry: TowerGeometry) -> torch.nn.Module:
     """An open_clip ``VisionTransformer`` of this geometry (random weights, no output projection)."""
-    from open_clip.transformer import LayerNorm, VisionTransformer
-
     tower = VisionTransformer(
         image_size=geometry.image_size, patch_size=geometry.patch_size, width=geometry.width,
         layers=geometry.layers, heads=geometry.heads, mlp_ratio=geometry.mlp_width / geometry.width,
@@ -128,7 +125,8 @@ def build_tower(geometry: TowerGeometry) -> torch.nn.Module:
     )
     built = tower.transformer.resblocks[0].mlp.c_fc.out_features
     if built != geometry.mlp_width:
-        raise ValueError(f"open_clip builds an MLP of width {built} for this tower, the checkpoint has {geometry.mlp_width}")
+        raise ValueError(f"open_clip builds an MLP of width {built} for this tower, the checkpoint "
+                         f"has {geometry.mlp_width}")
     tower.proj = None  # LLaVA reads hidden states; CLIP's contrastive projection is not used
     return tower
 
@@ -202,8 +200,10 @@ class LlavaEncoder:
         self.identity = identity  # names the weights and settings, for encoder-output caches
         self.tower = build_tower(config.tower)
         self.projector = Projector(config)
-        load_state(self.tower, {k[len("tower."):]: v for k, v in weights.items() if k.startswith("tower.")}, "tower weights")
-        load_state(self.projector, {k[len("projector."):]: v for k, v in weights.items() if k.startswith("projector.")}, "projector weights")
+        for name, module in (("tower", self.tower), ("projector", self.projector)):
+            prefix = name + "."
+            state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            load_state(module, state, f"{name} weights")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tower.to(self.device).eval()
         self.projector.to(self.device).eval()
@@ -233,8 +233,10 @@ class LlavaEncoder:
             intermediates_only=True, output_fmt="NLC", output_extra_tokens=True,
         )
         by_block = {}
-        for b, patches, cls in zip(sorted(set(blocks)), out["image_intermediates"], out["image_intermediates_prefix"]):
-            by_block[b] = torch.cat([cls, patches], dim=1) if self.config.select_strategy == "full" else patches
+        full = self.config.select_strategy == "full"  # keep the class token
+        for b, patches, cls in zip(sorted(set(blocks)), out["image_intermediates"],
+                                   out["image_intermediates_prefix"]):
+            by_block[b] = torch.cat([cls, patches], dim=1) if full else patches
         return self.projector(torch.cat([by_block[b] for b in blocks], dim=-1))
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
@@ -243,16 +245,16 @@ class LlavaEncoder:
 
 def load_encoder(vision_dir: str | Path, device: str | torch.device | None = None) -> LlavaEncoder:
     """The ``VisionEncoder`` of ``DST/vision`` written by ``python -m sgl_embeds.vlm split``."""
-    from safetensors.torch import load_file
-
     vision_dir = Path(vision_dir)
     config_path, weights_path = vision_dir / CONFIG_NAME, vision_dir / WEIGHTS_NAME
     for path in (config_path, weights_path):
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: is {vision_dir} the vision/ folder of a split checkpoint?")
+            raise FileNotFoundError(f"{path} is missing: is {vision_dir} the vision/ folder of a "
+                                    "split checkpoint?")
     text = config_path.read_text()
     digest = hashlib.sha256(text.encode())
     with open(weights_path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             digest.update(chunk)
-    return LlavaEncoder(VisionConfig.from_json(text), load_file(str(weights_path)), "llava-" + digest.hexdigest()[:16], device)
+    identity = "llava-" + digest.hexdigest()[:16]
+    return LlavaEncoder(VisionConfig.from_json(text), load_file(str(weights_path)), identity, device)

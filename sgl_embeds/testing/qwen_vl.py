@@ -1,0 +1,218 @@
+"""A tiny random-weight Qwen2.5-VL checkpoint that SGLang serves natively and HF loads as is,
+and HF ``Qwen2_5_VLForConditionalGeneration`` on it as the reference for generated tokens.
+
+An ordinary HF directory (config, float32 safetensors, tokenizer with the Qwen vision specials,
+chat template, ``Qwen2_5_VLProcessor`` with its image and video processors), built once into the
+same cache as ``models.py``'s models with fixed seeds. The invariant the tests rely on: the
+config's vision token ids are the tokenizer's ids of the same tokens, and the image processor
+turns a small image into few patches (at most ``MAX_IMAGE_TOKENS`` rows in the prompt).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from sgl_embeds.testing.models import _build_atomically, cache_dir, train_tokenizer
+from sgl_embeds.testing.reference import Greedy, _greedy_from_scores
+
+QWEN_VL_CACHE_VERSION = "v3"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_SPECIALS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+# What one image becomes in a prompt before the processor expands the pad to t*h*w/merge**2.
+IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
+FACTOR = PATCH * MERGE  # image sides are resized to multiples of this
+MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
+# The Qwen chat format, with an image content part rendered as the placeholder.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# seed, language-model weight scale, vision-merger weight scale (see tiny_qwen2_5_vl_dir)
+_INIT = (7, 3.0, 2.0)
+
+
+def tiny_qwen2_5_vl_dir() -> Path:
+    """A tiny random-weight ``Qwen2_5_VLForConditionalGeneration`` saved as an HF directory.
+
+    Language model: hidden 64, 2 layers, 4 heads (2 KV), head dim 16, M-RoPE sections [2, 3, 3].
+    Vision tower: hidden 32, depth 2, 2 heads; window 56 px (2x2 merged patches), so block 0 runs
+    windowed attention on any image of more than 2x2 merged patches and block 1 full attention.
+    Images are resized to multiples of 28 px holding 4 to 16 merged patches (prompt rows).
+    The language model is scaled x3 and the merger x2 from the default init, so that the image
+    changes the greedy answer from its first token on (measured: at the default init two images
+    of tests/test_qwen_vl_native.py gave varied answers with the same first token; with the LM
+    scaled alone, one answer fell into a two-token loop).
+    """
+
+    def build(tmp: Path) -> None:
+        from transformers import (
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2_5_VLProcessor,
+            Qwen2VLImageProcessor,
+            Qwen2VLVideoProcessor,
+        )
+
+        tok = train_tokenizer(tmp, extra_specials=VISION_SPECIALS)
+        ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_SPECIALS}
+        text = dict(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            # theta 10, not 10^4: over a few patches even the slowest rotary frequencies (those
+            # of the width axis) turn, so an image's 3-D positions change the answer (a wrong grid
+            # or 1-D positions must fail the parity tests)
+            rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]},
+        )
+        vision = dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH,
+            window_size=2 * FACTOR, fullatt_block_indexes=[1], tokens_per_second=2,
+        )
+        config = Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=False,
+            image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+            vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )
+        seed, lm_scale, merger_scale = _INIT
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    continue
+                if "language_model" in name or name.startswith("lm_head"):
+                    p.mul_(lm_scale)
+                elif "merger" in name:
+                    p.mul_(merger_scale)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        pixels = dict(min_pixels=MIN_IMAGE_TOKENS * FACTOR**2, max_pixels=MAX_IMAGE_TOKENS * FACTOR**2,
+                      patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
+        processor = Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+            tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE,
+        )
+        processor.save_pretrained(tmp)  # transformers 5 nests both processors' settings in it
+        # and the classic files, for loaders that read the image processor on its own
+        processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json
+        processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
+
+    return _build_atomically(cache_dir() / f"tiny-qwen2_5_vl-{QWEN_VL_CACHE_VERSION}", build)
+
+
+# -- HF Qwen2.5-VL as the reference (float32, greedy) -----------------------------------------
+
+
+@lru_cache(maxsize=2)
+def hf_qwen_vl(checkpoint: str):
+    """HF's model and processor of a Qwen2.5-VL checkpoint, loaded once."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
+    """What HF's processor builds for ``text`` (one ``IMAGE_PLACEHOLDER`` per image): the pad
+    expanded to t*h*w/merge**2 tokens, ``pixel_values`` and ``image_grid_thw``."""
+    _, processor = hf_qwen_vl(str(checkpoint))
+    return dict(processor(text=[text], images=images or None, return_tensors="pt"))
+
+
+@torch.no_grad()
+def qwen_vl_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
+                   prefix: list[int] = ()) -> Greedy:
+    """HF ``Qwen2_5_VLForConditionalGeneration.generate`` (float32, greedy) after ``text`` +
+    ``prefix``, for ``reference.check_greedy``."""
+    if len(prefix) >= max_new_tokens:
+        return Greedy([], [], [])
+    model, _ = hf_qwen_vl(str(checkpoint))
+    inputs = qwen_vl_inputs(checkpoint, text, images)
+    if prefix:  # text tokens after the prompt: M-RoPE continues them from the prompt's last position
+        extra = torch.tensor([list(prefix)])
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in inputs:
+            types = inputs["mm_token_type_ids"]
+            inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(extra)], dim=1)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=model.config.text_config.pad_token_id)
+    return _greedy_from_scores(out.sequences, out.scores)
+
+
+# -- the client's half: an image's rows, as HF's own vision module computes them --------------
+
+
+@torch.no_grad()
+def image_rows(checkpoint: str | Path, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The rows HF's Qwen2.5-VL puts at an image's pad tokens ([t*h*w/merge**2, hidden], float32)
+    and the image's grid (t, h, w), from the checkpoint's own processor and vision module."""
+    model, processor = hf_qwen_vl(str(checkpoint))
+    pixels = processor.image_processor(images=[image], return_tensors="pt")
+    (grid,) = pixels["image_grid_thw"].tolist()
+    (rows,) = model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"]).pooler_output
+    return rows.float(), tuple(grid)
+
+
+def poisoned_vision_dir(checkpoint: Path) -> Path:
+    """A copy of ``checkpoint`` whose vision tower and merger weights are all NaN: a server on it
+    answers raw images with garbage, so a span served exactly proves the tower never ran."""
+    from safetensors.torch import load_file, save_file
+
+    def build(tmp: Path) -> None:
+        for f in checkpoint.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, tmp / f.name)
+        for f in checkpoint.glob("*.safetensors"):
+            weights = load_file(f)
+            poisoned = {k: torch.full_like(v, float("nan")) if "visual" in k else v for k, v in weights.items()}
+            assert any("visual" in k for k in weights), "no vision weights to poison"
+            save_file(poisoned, tmp / f.name, metadata={"format": "pt"})
+
+    return _build_atomically(checkpoint.with_name(checkpoint.name + "-nan-vision"), build)
+
+
+# -- what the tests show the model -------------------------------------------------------------
+
+
+def sample_images() -> dict:
+    """Images of different sizes and aspect ratios: stripes (grid 1x4x8, two attention windows),
+    a disc (1x6x4, windows padded), a square (1x4x4), and checks of the stripes' size (so two
+    images can trade rows)."""
+    from PIL import Image, ImageDraw
+
+    stripes = Image.new("RGB", (120, 48), (240, 240, 240))
+    for x in range(0, 120, 24):
+        ImageDraw.Draw(stripes).rectangle((x, 0, x + 11, 48), fill=(20, 120, 40))
+    disc = Image.new("RGB", (64, 96), (30, 30, 200))
+    ImageDraw.Draw(disc).ellipse((10, 20, 50, 70), fill=(250, 200, 0))
+    square = Image.new("RGB", (56, 56), (200, 60, 60))
+    ImageDraw.Draw(square).rectangle((8, 8, 30, 40), fill=(10, 10, 10))
+    checks = Image.new("RGB", (120, 48), (250, 250, 250))
+    for x in range(0, 120, 20):
+        for y in range(0, 48, 16):
+            if (x // 20 + y // 16) % 2:
+                ImageDraw.Draw(checks).rectangle((x, y, x + 19, y + 15), fill=(90, 20, 160))
+    return {"stripes": stripes, "disc": disc, "square": square, "checks": checks}
+
+
+def png_base64(image) -> str:
+    """An image as stock ``image_data`` takes it."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

@@ -1,0 +1,51 @@
+"""The HTTP side of the plugin, and its launch wiring: ``before_launch_server`` and ``install``.
+
+By job: ``middleware.py`` (the ASGI middleware and its route table: span prompts on
+``/generate`` and the OpenAI routes), ``own_routes.py`` (``/sgl_embeds/info``,
+``/sgl_embeds/spans``, the addition to ``/get_model_info``), ``asgi.py`` (what both share),
+``worker_app.py`` (the app of a multi-tokenizer HTTP worker). This file installs the middleware
+on SGLang's app when the server launches.
+
+Multi-tokenizer mode (``--tokenizer-worker-num N > 1``): SGLang serves HTTP from N worker
+processes that import the app by its path (``SGLANG_HTTP_SERVER_APP_PATH``), not the object the
+main process holds. Pointing that path at ``worker_app`` makes each worker load the plugin and
+install the middleware on its own copy of the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from starlette.middleware import Middleware
+
+from sgl_embeds_srt.http.middleware import ROUTES, SpanMiddleware
+
+logger = logging.getLogger(__name__)
+
+WORKER_APP_PATH = "sgl_embeds_srt.http.worker_app:app"
+_STOCK_APP_PATH = "sglang.srt.entrypoints.http_server:app"
+
+
+def install(app: Any) -> None:
+    """Add the middleware innermost, once (later ``add_middleware`` calls insert outside it)."""
+    if any(m.cls is SpanMiddleware for m in app.user_middleware):
+        return
+    app.user_middleware.append(Middleware(SpanMiddleware))
+    logger.info("sgl_embeds: span prompts enabled on %s", ", ".join(sorted(ROUTES)))
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``http_server.launch_server``: install the middleware on SGLang's app, and
+    in multi-tokenizer mode on the app of every HTTP worker process."""
+    from sglang.srt.entrypoints.http_server import app  # SGLang not ready at plugin load
+
+    install(app)
+    if server_args.tokenizer_worker_num > 1:
+        current = os.environ.get("SGLANG_HTTP_SERVER_APP_PATH", _STOCK_APP_PATH)
+        if current != _STOCK_APP_PATH:
+            logger.warning("sgl_embeds: SGLANG_HTTP_SERVER_APP_PATH=%s is not SGLang's app: span "
+                           "prompts are not enabled in its tokenizer workers", current)
+        else:
+            os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = WORKER_APP_PATH

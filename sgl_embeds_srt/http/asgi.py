@@ -1,0 +1,80 @@
+"""What the middleware and the plugin's own routes share: request bodies over ASGI, SGLang's
+error body, and the model this HTTP process serves (``server_spec``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import orjson
+from fastapi.responses import ORJSONResponse
+
+from sgl_embeds_srt.prompts import ModelSpec
+
+
+def max_body_bytes() -> int:
+    """Largest request body read for span detection or upload (``SGL_EMBEDS_MAX_BODY_BYTES``)."""
+    return int(os.environ.get("SGL_EMBEDS_MAX_BODY_BYTES", 1 << 30))
+
+
+def error_response(message: str, status: int = 400, kind: str = "BadRequestError",
+                   param: Any = None) -> ORJSONResponse:
+    """SGLang's error body. A 4xx is the client's fault to a gateway: never retried, and never
+    counted against the worker by its circuit breaker (docs/scaling.md)."""
+    return ORJSONResponse(
+        status_code=status,
+        content={"object": "error", "message": message, "type": kind, "param": param,
+                 "code": status},
+    )
+
+
+def server_spec() -> ModelSpec:
+    """The served model, as seen by this process's tokenizer manager."""
+    from sglang.srt.entrypoints.http_server import _global_state  # SGLang not ready at plugin load
+
+    return ModelSpec.from_tokenizer_manager(_global_state.tokenizer_manager)
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None  # the stock route reports malformed JSON its own way
+
+
+async def read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
+    """The request body and whether it exceeds ``limit`` bytes (then it is not read further)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return b"", True
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks), False
+
+
+def with_length(message: dict, n: int) -> dict:
+    """A request scope or response start with its content-length set to ``n``."""
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
+    return {**message, "headers": headers + [(b"content-length", str(n).encode())]}
+
+
+def replay(body: bytes, receive: Callable) -> Callable:
+    """A ``receive`` that hands the already-read body over once, then defers to the real one
+    (so disconnects are still seen by streaming responses)."""
+    handed_over = False
+
+    async def receive_again() -> dict:
+        nonlocal handed_over
+        if not handed_over:
+            handed_over = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again

@@ -1,0 +1,132 @@
+"""The ASGI middleware and its route table: span prompts on ``/generate`` and the OpenAI routes.
+
+An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at the
+bodies of the routes in ``ROUTES``. A body without span fields goes on to the stock route
+untouched once its token ids, if any, are checked (``token_ids.py``: an id outside the vocabulary
+would kill stock SGLang's scheduler). A body with spans is decoded and validated here (HTTP 400
+with the reason on any problem): ``/generate`` becomes ``input_ids`` +
+``positional_embed_overrides`` served by SGLang's own ``serve_generate_request``; the OpenAI
+routes are rewritten to token ids (``openai.py``) and handed on to SGLang's own route as a
+``StockRequest``. Decoding and hashing run in a worker thread so a large payload does not stall
+the event loop for other clients.
+Paths under ``/sgl_embeds/`` and ``/get_model_info`` go to the plugin's own routes
+(``own_routes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+
+from sgl_embeds_srt import handles, openai, parse, prompts, token_ids
+from sgl_embeds_srt.http import asgi, own_routes
+from sgl_embeds_srt.keys import UNKNOWN_HANDLE_TYPE
+from sgl_embeds_srt.transport import PromptRows
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """What a route handler needs from the server (given to it by the middleware)."""
+
+    spec: prompts.ModelSpec  # the served model
+    store: handles.SpanStore  # spans kept by handle
+
+
+@dataclass(frozen=True)
+class StockRequest:
+    """A handler's answer that SGLang's own route serves: the rewritten body, and the prompt's
+    rows to attach when that route calls ``generate_request`` (``openai.generate_request``)."""
+
+    body: dict
+    prompt_rows: PromptRows | None
+
+
+# A route: (does this body carry spans?, handler). A handler gets the body, the request and the
+# context, and returns a response to send, or a ``StockRequest``.
+Detector = Callable[[dict], bool]
+Handler = Callable[[dict, Request, RouteContext], Awaitable[Any]]
+
+
+async def generate_route(body: dict, request: Request, ctx: RouteContext) -> Any:
+    from sglang.srt.entrypoints import http_server  # SGLang not ready at plugin load
+
+    # a ValueError is the client's 400 (SpanMiddleware)
+    obj = await asyncio.to_thread(prompts.make_generate_req, body, ctx.spec, ctx.store, True)
+    return await http_server.serve_generate_request(obj, request)
+
+
+async def completions_route(body: dict, request: Request, ctx: RouteContext) -> StockRequest:
+    return StockRequest(*await asyncio.to_thread(openai.completions_body, body, ctx.spec,
+                                                 ctx.store))
+
+
+async def chat_route(body: dict, request: Request, ctx: RouteContext) -> StockRequest:
+    return StockRequest(*await asyncio.to_thread(openai.chat_body, body, ctx.spec, ctx.store))
+
+
+ROUTES: dict[str, tuple[Detector, Handler]] = {
+    "/generate": (parse.has_span_fields, generate_route),
+    "/v1/completions": (parse.has_span_fields, completions_route),
+    "/v1/chat/completions": (openai.chat_has_spans, chat_route),
+}
+
+
+class SpanMiddleware:
+    """Routes requests that carry span fields to our handlers; everything else passes through."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.store = handles.SpanStore(handles.budget_bytes())
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path, method = scope.get("path", ""), scope.get("method")
+        if scope["type"] == "http" and path.startswith(own_routes.PREFIX):
+            return await own_routes.serve(path, method, self.store, scope, receive, send)
+        if scope["type"] == "http" and path == own_routes.MODEL_INFO_PATH and method == "GET":
+            return await own_routes.model_info_with_ours(self.app, self.store, scope, receive, send)
+        route = ROUTES.get(path) if scope["type"] == "http" else None
+        if route is None or method not in ("POST", "PUT"):
+            return await self.app(scope, receive, send)
+        body, too_big = await asgi.read_body(receive, asgi.max_body_bytes())
+        if too_big:
+            limit = asgi.max_body_bytes()
+            response = asgi.error_response(f"request body exceeds the limit of {limit} bytes", 413)
+            return await response(scope, receive, send)
+        replay = asgi.replay(body, receive)
+        payload = asgi.parse_json(body)
+        detect, handler = route
+        if not isinstance(payload, dict):
+            return await self.app(scope, replay, send)
+        if not detect(payload):  # a stock body: only its token ids are checked here
+            ids = token_ids.stock_ids(path, payload)
+            if ids is not None:
+                field, value = ids
+                try:
+                    token_ids.check_id_lists(value, asgi.server_spec().vocab_size, field)
+                except ValueError as e:
+                    return await asgi.error_response(str(e))(scope, replay, send)
+            return await self.app(scope, replay, send)
+        try:
+            ctx = RouteContext(asgi.server_spec(), self.store)
+            response = await handler(payload, Request(scope, replay), ctx)
+        except handles.UnknownSpanHandle as e:  # machine-readable: the client resends the rows
+            response = asgi.error_response(str(e), kind=UNKNOWN_HANDLE_TYPE, param=e.handle)
+        except ValueError as e:
+            response = asgi.error_response(str(e))
+        if isinstance(response, StockRequest):
+            return await self._forward_to_stock_route(scope, response, receive, send)
+        await response(scope, replay, send)
+
+    async def _forward_to_stock_route(self, scope: dict, stock: StockRequest, receive: Callable,
+                                      send: Callable) -> None:
+        """SGLang's own route serves the rewritten body; the prompt's rows wait in the request's
+        scope state until its ``generate_request`` call, where ``openai.generate_request``
+        attaches them."""
+        raw = orjson.dumps(stock.body)
+        scope = asgi.with_length(scope, len(raw))
+        scope.setdefault("state", {})[openai.PROMPT_ROWS_KEY] = stock.prompt_rows
+        await self.app(scope, asgi.replay(raw, receive), send)

@@ -1,0 +1,88 @@
+"""The plugin's own REST routes, served by the middleware before SGLang's app sees them.
+
+* ``GET /sgl_embeds/info``: what a client needs to check spans before sending them (``info``);
+  SGLang's ``GET /get_model_info``, which a gateway forwards, carries the same under
+  ``"sgl_embeds"``, so a client finds the plugin (and the hidden size) through a gateway too, in
+  the call ``RuntimeEndpoint`` makes anyway.
+* ``POST /sgl_embeds/spans``: upload a span, get its handle (``handles.upload``).
+* ``DELETE /sgl_embeds/spans/<handle>``: drop it, here and in the scheduler (``transport.release``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from importlib.metadata import version
+from typing import Any, Callable
+
+import orjson
+from fastapi.responses import ORJSONResponse
+
+from sgl_embeds_srt import handles, parse, transport, wire
+from sgl_embeds_srt.http import asgi
+
+PREFIX = "/sgl_embeds/"
+INFO_PATH = "/sgl_embeds/info"
+MODEL_INFO_PATH, MODEL_INFO_KEY = "/get_model_info", "sgl_embeds"
+
+
+def info(store: handles.SpanStore) -> dict:
+    """What a client needs to check spans before sending them."""
+    spec = asgi.server_spec()
+    return {
+        "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
+        "vocab_size": spec.vocab_size, "context_len": spec.context_len,
+        "max_span_bytes": parse.max_span_bytes(), "wire_dtypes": sorted(wire.DTYPES),
+        "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
+        "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
+        "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
+        "http_worker_pid": os.getpid(),
+    }
+
+
+async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, receive: Callable,
+                send: Callable) -> None:
+    """A request whose path starts with ``PREFIX``: one of the routes above, or a 404."""
+    if path == INFO_PATH and method == "GET":
+        response: Any = ORJSONResponse(info(store))
+    elif path == handles.PATH and method == "POST":
+        body, too_big = await asgi.read_body(receive, asgi.max_body_bytes())
+        payload = None if too_big else asgi.parse_json(body)
+        try:
+            if not isinstance(payload, dict):
+                raise ValueError("the body must be a JSON object within the size limit")
+            hidden_size = asgi.server_spec().hidden_size
+            uploaded = await asyncio.to_thread(handles.upload, payload, store, hidden_size)
+            response = ORJSONResponse(uploaded)
+        except ValueError as e:
+            response = asgi.error_response(str(e))
+    elif path.startswith(handles.PATH + "/") and method == "DELETE":
+        handle = path[len(handles.PATH) + 1 :]
+        found = store.delete(handle)
+        transport.release(handle)  # the scheduler's copy too
+        response = ORJSONResponse({"deleted": found}, status_code=200 if found else 404)
+    else:
+        response = asgi.error_response(f"no route {method} {path}", 404)
+    await response(scope, receive, send)
+
+
+async def model_info_with_ours(app: Any, store: handles.SpanStore, scope: dict, receive: Callable,
+                               send: Callable) -> None:
+    """SGLang's ``GET /get_model_info`` answer, with ``info`` added under ``MODEL_INFO_KEY``."""
+    start: dict = {}
+    chunks: list[bytes] = []
+
+    async def keep(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, keep)
+    body = b"".join(chunks)
+    payload = asgi.parse_json(body) if start.get("status") == 200 else None
+    if isinstance(payload, dict):
+        payload[MODEL_INFO_KEY] = info(store)
+        body = orjson.dumps(payload)
+    await send(asgi.with_length(start, len(body)))
+    await send({"type": "http.response.body", "body": body})

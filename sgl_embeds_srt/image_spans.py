@@ -1,0 +1,219 @@
+"""Spans with an image grid, on VLMs that SGLang serves natively with M-RoPE (Qwen2.5-VL).
+
+Such a model places an image's rows at 3-D rotary positions (time, height, width) and embeds
+them through SGLang's multimodal path, not through ``positional_embed_overrides`` (its
+``forward`` ignores those: a plain span's rows would be silently lost, so it is refused). A span
+that carries ``image_grid_thw`` (the patch grid before the spatial merge, as HF's processor
+reports it) is served as an image:
+
+* HTTP side (``prompts.build_ids``): the image token at the span's rows, one precomputed-
+  embedding item per span (``image_inputs``) whose identity is the span's content key and its
+  grid (the same rows with another grid never share KV; SGLang never hashes the rows), and the
+  M-RoPE positions from SGLang's own rope-index code. The rows travel in the prompt's
+  ``transport.PromptRows`` like any span's, so a span by handle crosses to the scheduler once.
+* Scheduler (``handle_generate_request``): before the request is built, each image's rows move
+  from the rows carrier into its item, and the items become the request's multimodal inputs.
+* Model runner (``get_embedding_and_mask``): precomputed items are embedded as they are, item by
+  item, so the vision tower never runs on them and a batch that mixes them with raw images
+  (whose pixel patches stock code would concatenate with our rows) is served correctly.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
+from sglang.srt.managers.embed_types import PositionalEmbeds
+from sglang.srt.managers.io_struct import MMInputsProcessError
+from sglang.srt.managers.schedule_batch import (
+    Modality,
+    MultimodalDataItem,
+    MultimodalInputFormat,
+    MultimodalProcessorOutput,
+)
+
+from sgl_embeds_srt.transport import PromptRows
+
+# The VLM families whose image rows we can place exactly (their rope index and embedding path
+# were read and tested); the others are refused by name (docs/vision-encoders.md says why).
+SERVED_MODEL_TYPES = ("qwen2_5_vl",)
+KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
+_IDENTITY_TAG = b"sgl_embeds/image/v1"
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What a natively served M-RoPE VLM needs of an image span."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    merge_size: int
+    tokens_per_second: float | None
+
+    @classmethod
+    def of(cls, hf_config: Any) -> VisionSpec | None:
+        """The spec of an M-RoPE VLM's config; None for any other model."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in KNOWN_MROPE_MODEL_TYPES:
+            return None
+        vision = hf_config.vision_config
+        return cls(model_type, hf_config.image_token_id, hf_config.video_token_id,
+                   hf_config.vision_start_token_id, hf_config.vision_end_token_id,
+                   vision.spatial_merge_size, getattr(vision, "tokens_per_second", None))
+
+    def info(self) -> dict:
+        """For ``/sgl_embeds/info``: what a client needs to send image spans."""
+        return {"mrope": True, "model_type": self.model_type, "served": self.model_type in SERVED_MODEL_TYPES,
+                "merge_size": self.merge_size, "image_token_id": self.image_token_id,
+                "vision_start_token_id": self.vision_start_token_id,
+                "vision_end_token_id": self.vision_end_token_id}
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """A grid span placed in a prompt: its content key, grid, and first row's position."""
+
+    key: str
+    grid: tuple[int, int, int]
+    start: int
+    n_rows: int
+
+
+def check_image_span(grid: tuple[int, int, int] | None, n_rows: int, spec: VisionSpec | None,
+                     before: int | None, where: str) -> None:
+    """A span's grid against the served model: ``ValueError`` (HTTP 400) naming what is wrong.
+    ``before``: the id just before the span (None at the start of the prompt)."""
+    if spec is None:
+        if grid is not None:
+            raise ValueError(f"{where}image_grid_thw is for VLMs served natively with M-RoPE (Qwen2.5-VL); "
+                             "this model places rows at 1-D positions: send the span without it")
+        return
+    if spec.model_type not in SERVED_MODEL_TYPES:
+        raise ValueError(f"{where}spans are not served on {spec.model_type} models yet (only "
+                         f"{', '.join(SERVED_MODEL_TYPES)}): see docs/vision-encoders.md")
+    if grid is None:
+        raise ValueError(f"{where}this model ({spec.model_type}) places image rows at M-RoPE positions: "
+                         "give the span its image_grid_thw [t, h, w] (the patch grid before the merge)")
+    t, h, w = grid
+    merge = spec.merge_size
+    if h % merge or w % merge:
+        raise ValueError(f"{where}image_grid_thw {list(grid)}: h and w must be multiples of the merge size {merge}")
+    expected = t * h * w // (merge * merge)
+    if expected != n_rows:
+        raise ValueError(f"{where}image_grid_thw {list(grid)} makes t*h*w/merge**2 = {expected} rows "
+                         f"(merge size {merge}), but the span has {n_rows}")
+    if before != spec.vision_start_token_id:
+        raise ValueError(f"{where}an image span must follow the vision-start token (id "
+                         f"{spec.vision_start_token_id}, '<|vision_start|>'), as the chat template writes it; "
+                         "without it the rope index would place the rows as text")
+
+
+def identity(key: str, grid: tuple[int, int, int]) -> bytes:
+    """The 32-byte cache identity of an image span: its content key and its grid."""
+    return hashlib.sha256(_IDENTITY_TAG + key.encode() + struct.pack("<3q", *grid)).digest()
+
+
+def image_inputs(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> MultimodalProcessorOutput:
+    """SGLang's multimodal inputs of a prompt whose image spans are ``images`` (rows not yet
+    attached: the scheduler moves them in, ``handle_generate_request``)."""
+    items = []
+    for image in images:
+        item = MultimodalDataItem(
+            modality=Modality.IMAGE, format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING,
+            offsets=[(image.start, image.start + image.n_rows - 1)],
+            model_specific_data={"image_grid_thw": torch.tensor([image.grid]), SPAN_ITEM_KEY: True})
+        item.set_identity(identity(image.key, image.grid))
+        items.append(item)
+    positions, delta = MRotaryEmbedding.get_rope_index(
+        spatial_merge_size=spec.merge_size, image_token_id=spec.image_token_id,
+        video_token_id=spec.video_token_id, vision_start_token_id=spec.vision_start_token_id,
+        model_type=spec.model_type, tokens_per_second=spec.tokens_per_second,
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        image_grid_thw=torch.tensor([image.grid for image in images]))
+    return MultimodalProcessorOutput(
+        mm_items=items, input_ids=list(ids),
+        padded_input_ids=MultimodalProcessorOutput.build_padded_input_ids(ids, items),
+        im_token_id=spec.image_token_id, im_start_id=spec.vision_start_token_id,
+        im_end_id=spec.vision_end_token_id, video_token_id=spec.video_token_id,
+        mrope_positions=positions.squeeze(1), mrope_position_delta=delta)
+
+
+def _is_span_item(item: MultimodalDataItem) -> bool:
+    return bool(item.model_specific_data.get(SPAN_ITEM_KEY))
+
+
+def create_tokenized_object(original: Callable, self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``TokenizerManager._create_tokenized_object``: a prompt with image spans
+    hands its items to the scheduler in SGLang's own field for processed multimodal inputs."""
+    tokenized = original(self, obj, *args, **kwargs)
+    prompt_rows = getattr(obj, "positional_embed_overrides", None)  # embedding requests have none
+    if isinstance(prompt_rows, PromptRows) and prompt_rows.images is not None:
+        tokenized.mm_inputs = prompt_rows.images
+    return tokenized
+
+
+def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``Scheduler.handle_generate_request``: each image item of the request takes
+    its rows (restored by now, ``PromptRows.reconstruct``) out of the rows carrier, which keeps
+    only the rows of plain spans (none on these models). A request whose rows this scheduler
+    should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
+    images = recv_req.mm_inputs
+    if not isinstance(images, MultimodalProcessorOutput) or not any(map(_is_span_item, images.mm_items)):
+        return original(self, recv_req, *args, **kwargs)
+    prompt_rows = recv_req.positional_embed_overrides
+    recv_req.positional_embed_overrides = None
+    if prompt_rows is None or prompt_rows.embeds is None:
+        missing = getattr(prompt_rows, "missing", "")
+        recv_req.mm_inputs = MMInputsProcessError(f"the rows of image span {missing} are not held here")
+        return original(self, recv_req, *args, **kwargs)
+    row_of = {pos: i for i, pos in enumerate(prompt_rows.positions)}
+    images = copy.copy(images)  # requests of one message may share these objects
+    images.mm_items = [copy.copy(item) for item in images.mm_items]
+    taken: set[int] = set()
+    for item in images.mm_items:
+        if _is_span_item(item):
+            start, end = item.offsets[0]
+            first, last = row_of[start], row_of[end]
+            item.feature = prompt_rows.embeds[first:last + 1]
+            taken.update(range(first, last + 1))
+    recv_req.mm_inputs = images
+    kept = [i for i in range(len(prompt_rows.positions)) if i not in taken]
+    if kept:
+        recv_req.positional_embed_overrides = PositionalEmbeds(
+            prompt_rows.embeds[kept], [prompt_rows.positions[i] for i in kept])
+    return original(self, recv_req, *args, **kwargs)
+
+
+def get_embedding_and_mask(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``mm_schedule.get_embedding_and_mask`` (called by keyword): when our items
+    are among those to embed, embed item by item (ours: their rows as they are; the others through
+    the model's own function, in one call), so the tower never sees our rows."""
+    if args or not any(map(_is_span_item, kwargs["embedding_items"])):
+        return original(*args, **kwargs)
+    return original(**{**kwargs, "data_embedding_func": _per_item(kwargs["data_embedding_func"])})
+
+
+def _per_item(embed: Callable) -> Callable:
+    def embed_items(items: list) -> list[torch.Tensor]:
+        raw = [item for item in items if not _is_span_item(item)]
+        raw_rows = iter(_split_per_item(embed(raw), raw) if raw else [])
+        return [item.feature if _is_span_item(item) else next(raw_rows) for item in items]
+
+    return embed_items  # a plain function: SGLang then moves every item's feature to the device
+
+
+def _split_per_item(embedding: Any, items: list) -> list[torch.Tensor]:
+    """The model's embedding of ``items``: one tensor per item (it may return them joined)."""
+    if isinstance(embedding, list):
+        return embedding
+    sizes = [sum(end - start + 1 for start, end in item.offsets) for item in items]
+    return list(torch.split(embedding.reshape(-1, embedding.shape[-1]), sizes))

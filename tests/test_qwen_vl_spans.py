@@ -1,0 +1,187 @@
+"""Spans with an image grid on a natively served Qwen2.5-VL (issue #22): the client computes an
+image's rows with HF's own vision module, sends them as ``input_segments`` between the vision
+tokens, and the server's greedy tokens equal HF ``Qwen2_5_VLForConditionalGeneration`` on the
+pixels (float32). The server's vision weights are NaN (``poisoned_vision_dir``): an exact answer
+proves the tower never ran on the rows. Its small prefill chunk cuts images across chunks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+
+import helpers
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.qwen_vl import (
+    IMAGE_PLACEHOLDER,
+    VISION_END,
+    VISION_START,
+    hf_qwen_vl,
+    image_rows,
+    png_base64,
+    qwen_vl_greedy,
+    qwen_vl_inputs,
+    sample_images,
+)
+from sgl_embeds_srt import keys, wire
+
+pytestmark = pytest.mark.server
+
+MAX_TOKENS = 10
+MIN_COMPARED = 8
+
+
+def chat_text(checkpoint, question: str, n_images: int) -> str:
+    """The chat-template prompt of ``n_images`` images then a question (unexpanded placeholders)."""
+    _, processor = hf_qwen_vl(str(checkpoint))
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def span_segments(text: str, spans: list[dict]) -> list[dict]:
+    """``text`` with each image placeholder replaced by the vision tokens around a grid span."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    assert len(parts) == len(spans) + 1, text
+    texts = [parts[0] + VISION_START] + [VISION_END + p + VISION_START for p in parts[1:-1]] + [VISION_END + parts[-1]]
+    segments = [helpers.text(texts[0])]
+    for span, after in zip(spans, texts[1:]):
+        segments += [span, helpers.text(after)]
+    return segments
+
+
+def grid_span(checkpoint, image) -> dict:
+    rows, grid = image_rows(checkpoint, image)
+    return {**helpers.span(rows), "image_grid_thw": list(grid)}
+
+
+def ask(server, segments: list[dict], **extra) -> dict:
+    return helpers.generate(server, helpers.body(segments, MAX_TOKENS, return_logprob=True, **extra))
+
+
+def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str) -> list[int]:
+    """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
+    ours = out["output_ids"]
+    reference = qwen_vl_greedy(checkpoint, text, hf_images, MAX_TOKENS)
+    ref.assert_not_degenerate(reference.tokens, f"{label}: ", min_distinct=2)
+    model, _ = hf_qwen_vl(str(checkpoint))
+    forgiven = ref.check_greedy(ours, lambda prefix: qwen_vl_greedy(checkpoint, text, hf_images, MAX_TOKENS, prefix),
+                                f"{label}: ", eos_ids=ref.eos_ids(model))
+    assert len(ours) >= MIN_COMPARED, f"{label}: only {len(ours)} tokens compared"
+    logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    n = ref.assert_logprobs_match(ours, logprobs, reference, f"{label}: ")
+    print(f"{label}: {len(ours)} tokens equal HF Qwen2.5-VL's ({forgiven} near-tie(s) forgiven), "
+          f"{n} logprobs within {ref.LOGPROB_TOL:.0e}")
+    return reference.tokens
+
+
+def test_one_image_span_equals_hf_on_the_pixels(qwen_vl_spans_server, qwen_vl_dir):
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    references = {}
+    for name, image in list(sample_images().items())[:3]:
+        out = ask(qwen_vl_spans_server, span_segments(text, [grid_span(qwen_vl_dir, image)]))
+        references[name] = assert_matches_hf(out, qwen_vl_dir, text, [image], name)
+        expected_len = len(qwen_vl_inputs(qwen_vl_dir, text, [image])["input_ids"][0])
+        assert out["meta_info"]["prompt_tokens"] == expected_len
+    assert len({tuple(r) for r in references.values()}) == len(references), f"images must change HF: {references}"
+
+
+def test_two_images_each_its_own_item_and_their_order_matters(qwen_vl_spans_server, qwen_vl_dir):
+    text = chat_text(qwen_vl_dir, "compare them", 2)
+    first, second = sample_images()["stripes"], sample_images()["checks"]  # the same grid: only their rows differ
+    spans = [grid_span(qwen_vl_dir, first), grid_span(qwen_vl_dir, second)]
+    forward = ask(qwen_vl_spans_server, span_segments(text, spans))
+    swapped = ask(qwen_vl_spans_server, span_segments(text, spans[::-1]))
+    ref_forward = assert_matches_hf(forward, qwen_vl_dir, text, [first, second], "stripes, checks")
+    ref_swapped = assert_matches_hf(swapped, qwen_vl_dir, text, [second, first], "checks, stripes")
+    assert ref_forward != ref_swapped, "HF's answer must depend on the images' order"
+
+
+def test_a_repeat_is_cached_like_a_raw_image_and_another_grid_is_not(qwen_vl_spans_server, qwen_vl_dir):
+    """A repeat reports all but the last prompt token cached (a raw image's repeat does the same,
+    tests/test_qwen_vl_native.py); the same rows under another grid of as many rows share no KV
+    past the text before them."""
+    text = chat_text(qwen_vl_dir, "describe it in a few words", 1)
+    span = grid_span(qwen_vl_dir, sample_images()["stripes"])  # grid 1x4x8
+    first = ask(qwen_vl_spans_server, span_segments(text, [span]))
+    again = ask(qwen_vl_spans_server, span_segments(text, [span]))
+    prompt_tokens = again["meta_info"]["prompt_tokens"]
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == prompt_tokens - 1
+    text_before = len(hf_qwen_vl(str(qwen_vl_dir))[1].tokenizer.encode(text.split(IMAGE_PLACEHOLDER)[0] + VISION_START))
+    transposed = {**span, "image_grid_thw": [1, 8, 4]}
+    other = ask(qwen_vl_spans_server, span_segments(text, [transposed]))
+    assert other["meta_info"]["prompt_tokens"] == prompt_tokens
+    assert other["meta_info"]["cached_tokens"] <= text_before, "another grid must not reuse the rows' KV"
+    assert other["output_ids"] != first["output_ids"], "the grid must change the positions, so the answer"
+
+
+def test_a_span_by_handle_is_served_alike(qwen_vl_spans_server, qwen_vl_dir):
+    text = chat_text(qwen_vl_dir, "what shape is it", 1)
+    span = grid_span(qwen_vl_dir, sample_images()["square"])
+    inline = ask(qwen_vl_spans_server, span_segments(text, [span]), keep_spans=True)
+    handle = keys.span_handle(wire.decode_tensor(span["embeds"]))
+    by_handle = ask(qwen_vl_spans_server, span_segments(text, [{"type": "embeds", "embeds": {"handle": handle},
+                                                               "image_grid_thw": span["image_grid_thw"]}]))
+    assert by_handle["output_ids"] == inline["output_ids"]
+    assert by_handle["meta_info"]["cached_tokens"] == by_handle["meta_info"]["prompt_tokens"] - 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: {**s, "image_grid_thw": [1, 4, 4]}, "makes t*h*w/merge**2 = 4 rows"),
+    (lambda s: {**s, "image_grid_thw": [1, 3, 8]}, "multiples of the merge size"),
+    (lambda s: {k: v for k, v in s.items() if k != "image_grid_thw"}, "give the span its image_grid_thw"),
+    (lambda s: {**s, "image_grid_thw": [1, 4]}, "must be [t, h, w] of positive ints"),
+])
+def test_a_bad_grid_is_a_400_that_says_which(qwen_vl_spans_server, qwen_vl_dir, change, message):
+    text = chat_text(qwen_vl_dir, "what is it", 1)
+    span = change(grid_span(qwen_vl_dir, sample_images()["stripes"]))
+    res = qwen_vl_spans_server.generate(helpers.body(span_segments(text, [span]), MAX_TOKENS))
+    assert res.status_code == 400 and message in res.json()["message"], res.text
+
+
+def test_a_span_not_after_the_vision_start_token_is_a_400(qwen_vl_spans_server, qwen_vl_dir):
+    span = grid_span(qwen_vl_dir, sample_images()["stripes"])
+    res = qwen_vl_spans_server.generate(helpers.body([helpers.text("look: "), span], MAX_TOKENS))
+    assert res.status_code == 400 and "must follow the vision-start token" in res.json()["message"], res.text
+
+
+def test_a_grid_on_a_text_model_is_a_400(llama_server):
+    rows = helpers.seeded_rows(0, 8)
+    res = llama_server.generate(helpers.body([{**helpers.span(rows), "image_grid_thw": [1, 4, 8]}]))
+    assert res.status_code == 400 and "image_grid_thw is for VLMs" in res.json()["message"], res.text
+
+
+def test_the_poisoned_tower_really_is_poisoned(qwen_vl_spans_server, qwen_vl_dir):
+    """The same image as pixels on this server does not give HF's answer (the tower is NaN)."""
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    image = sample_images()["stripes"]
+    res = qwen_vl_spans_server.generate({"text": text, "image_data": png_base64(image),
+                                         "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}})
+    reference = qwen_vl_greedy(qwen_vl_dir, text, [image], MAX_TOKENS).tokens
+    assert res.status_code != 200 or res.json()["output_ids"] != reference
+
+
+def test_spans_and_raw_images_in_one_batch_are_both_served(qwen_vl_server, qwen_vl_dir):
+    """Both kinds sent at once (generation paused while they arrive) equal HF, on the server with
+    a working tower. Whether they share a prefill batch is up to the scheduler (seen: 3 of 4 in
+    one batch, or 2 of a kind); tests/test_image_spans.py builds such batches deterministically."""
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    pictures = sample_images()
+    raw = {"text": text, "image_data": png_base64(pictures["disc"]), "return_logprob": True,
+           "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}}
+    span = helpers.body(span_segments(text, [grid_span(qwen_vl_dir, pictures["stripes"])]), MAX_TOKENS,
+                        return_logprob=True)
+    assert requests.post(qwen_vl_server.url + "/pause_generation", json={"mode": "in_place"}).ok
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(helpers.generate, qwen_vl_server, b) for b in [raw, span, raw, span]]
+        time.sleep(3)  # all four reach the scheduler's queue
+        assert requests.post(qwen_vl_server.url + "/continue_generation", json={}).ok
+        outs = [f.result() for f in futures]
+    assert_matches_hf(outs[0], qwen_vl_dir, text, [pictures["disc"]], "raw disc")
+    assert_matches_hf(outs[1], qwen_vl_dir, text, [pictures["stripes"]], "stripes span")
+    assert outs[2]["output_ids"] == outs[0]["output_ids"] and outs[3]["output_ids"] == outs[1]["output_ids"]
+    assert qwen_vl_server.alive()
