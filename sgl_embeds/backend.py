@@ -177,7 +177,7 @@ class EmbedsEndpoint(RuntimeEndpoint):
 
 def _program_rows(s: Any) -> Iterable[Any]:
     """The rows of every span of the program ``s`` runs (those its requests may name)."""
-    return lang.program_spans(s).table.values()
+    return [span.tensor for span in lang.program_spans(s).table.values()]
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:

@@ -33,9 +33,10 @@ from sgl_embeds_srt import wire
 class SglEmbeds(SglExpr):
     """A span of precomputed embeddings, ``[n, hidden]``."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None):
         super().__init__()
         self.tensor = tensor
+        self.image_grid_thw = image_grid_thw  # on M-RoPE VLMs: the image's patch grid [t, h, w]
 
     def __repr__(self) -> str:
         return f"SglEmbeds(shape={list(self.tensor.shape)})"
@@ -54,14 +55,19 @@ class SglRegion(SglExpr):
         return f"SglRegion(box={self.box})"
 
 
-def embeds(x: Any) -> SglEmbeds:
+def embeds(x: Any, image_grid_thw: Any = None) -> SglEmbeds:
     """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or
-    ``[hidden]``."""
+    ``[hidden]``. ``image_grid_thw`` (t, h, w): on a VLM served natively with M-RoPE (Qwen2.5-VL)
+    the span is an image, with this patch grid before the spatial merge (docs/vision-encoders.md);
+    write it between the vision-start and vision-end tokens."""
+    grid = None if image_grid_thw is None else tuple(image_grid_thw)
+    if grid is not None and (len(grid) != 3 or not all(isinstance(v, int) and v > 0 for v in grid)):
+        raise ValueError(f"image_grid_thw must be (t, h, w) of positive ints, got {image_grid_thw!r}")
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
-        return SglEmbeds(x)
+        return SglEmbeds(x, grid)
     t = wire.as_2d_tensor(x)
     wire.check_tensor(t)
-    return SglEmbeds(t.detach().cpu())
+    return SglEmbeds(t.detach().cpu(), grid)
 
 
 def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglRegion:
@@ -84,7 +90,7 @@ class ProgramSpans:
     """What an executor (``StreamExecutor``) carries for sgl_embeds, attached in its ``__init__``
     (``executor_init``) and copied to every branch by ``fork``."""
 
-    table: dict[int, torch.Tensor] = field(default_factory=dict)  # marker key -> the span's rows
+    table: dict[int, seg.Embeds] = field(default_factory=dict)  # marker key -> the span
     images: list[Any] = field(default_factory=list)  # the source of every sgl.image, in order
 
     def copy(self) -> ProgramSpans:
@@ -107,10 +113,10 @@ def program_prompt(executor: Any, text: str) -> seg.Prompt:
     return seg.split_at_markers(text, program_spans(executor).table)
 
 
-def add_span(executor: Any, tensor: torch.Tensor) -> None:
+def add_span(executor: Any, tensor: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None) -> None:
     table = program_spans(executor).table
     key = len(table)
-    table[key] = tensor
+    table[key] = seg.Embeds(tensor, image_grid_thw=image_grid_thw)
     executor._execute_fill(seg.marker(key))
 
 
@@ -149,7 +155,7 @@ def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> N
 def execute(original: Callable, self: Any, other: Any) -> Any:
     """AROUND hook of ``StreamExecutor._execute``: our nodes, and images for encoder backends."""
     if isinstance(other, SglEmbeds):
-        return add_span(self, other.tensor)
+        return add_span(self, other.tensor, other.image_grid_thw)
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
     if isinstance(other, SglImage):

@@ -84,7 +84,9 @@ class SpanWriter:
                     span = self._span(s.tensor, check_values, where)
                     inline |= span.inline
                     out.append({"type": "embeds", "embeds": span.embeds})
-                    route.append(span.route)
+                    if s.image_grid_thw is not None:
+                        out[-1]["image_grid_thw"] = list(s.image_grid_thw)
+                    route.append(span.route + keys.route_grid(s.image_grid_thw))
                 else:
                     out.append(_plain_segment(s, j))
                     route.append(s)

@@ -50,6 +50,12 @@ def route_rows(t: torch.Tensor) -> str:
                    for i in range(t.shape[0]))
 
 
+def route_grid(image_grid_thw: tuple[int, int, int] | None) -> str:
+    """A grid span's grid in the routing hint: the same rows under another grid are another
+    prefix (they share no KV), so they must not look like one to the gateway."""
+    return "" if image_grid_thw is None else "<{}x{}x{}>".format(*image_grid_thw)
+
+
 def routing_text(segments: Iterable[Segment | str]) -> str:
     """The routing text of a prompt: each segment in order (a ``str`` is a span's ``route_rows``
     already computed), then ``ROUTE_TAG``."""
@@ -62,7 +68,7 @@ def routing_text(segments: Iterable[Segment | str]) -> str:
         elif isinstance(s, Ids):
             parts.append(" ".join(map(str, s.ids)) + " ")
         elif isinstance(s, Embeds):
-            parts.append(route_rows(s.tensor))
+            parts.append(route_rows(s.tensor) + route_grid(s.image_grid_thw))
     parts.append(ROUTE_TAG)
     return "".join(parts)
 

@@ -81,7 +81,7 @@ class Executor:
 
     def __init__(self, rows: torch.Tensor) -> None:
         self.images_ = []
-        self.sgl_embeds_spans = lang.ProgramSpans(table={0: rows})
+        self.sgl_embeds_spans = lang.ProgramSpans(table={0: seg.Embeds(rows)})
         self.text_ = "look " + seg.marker(0) + " now"
 
 

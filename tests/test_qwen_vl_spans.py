@@ -12,8 +12,10 @@ import time
 
 import pytest
 import requests
+import sglang as sgl
 
 import helpers
+from sgl_embeds import EmbedsEndpoint
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
@@ -27,6 +29,7 @@ from sgl_embeds.testing.qwen_vl import (
     sample_images,
 )
 from sgl_embeds_srt import keys, wire
+from sgl_embeds_srt.segments import Embeds, Text
 
 pytestmark = pytest.mark.server
 
@@ -185,3 +188,38 @@ def test_spans_and_raw_images_in_one_batch_are_both_served(qwen_vl_server, qwen_
     assert_matches_hf(outs[1], qwen_vl_dir, text, [pictures["stripes"]], "stripes span")
     assert outs[2]["output_ids"] == outs[0]["output_ids"] and outs[3]["output_ids"] == outs[1]["output_ids"]
     assert qwen_vl_server.alive()
+
+
+def test_a_program_and_run_send_image_spans(qwen_vl_spans_server, qwen_vl_dir):
+    """``sgl.embeds(rows, image_grid_thw=...)`` in a program, and ``EmbedsEndpoint.run`` with an
+    ``Embeds`` segment that carries its grid: HF's tokens and logprobs, and the same text."""
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    image = sample_images()["disc"]
+    rows, grid = image_rows(qwen_vl_dir, image)
+    backend = EmbedsEndpoint(qwen_vl_spans_server.url)
+    assert backend.server_info["vision"]["merge_size"] == 2
+
+    @sgl.function
+    def ask_image(s, rows, grid):
+        s += before + VISION_START + sgl.embeds(rows, image_grid_thw=grid) + VISION_END + after
+        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+    direct = backend.run(input_segments=[Text(before + VISION_START), Embeds(rows, image_grid_thw=grid),
+                                         Text(VISION_END + after)],
+                         sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}, return_logprob=True)
+    assert_matches_hf(direct, qwen_vl_dir, text, [image], "run")
+    state = ask_image.run(rows=rows, grid=grid, backend=backend)
+    assert state["answer"] == direct["text"]
+    with pytest.raises(ValueError, match="image_grid_thw must be"):
+        sgl.embeds(rows, image_grid_thw=(1, 4))
+
+
+def test_input_logprobs_are_null_at_image_rows(qwen_vl_spans_server, qwen_vl_dir):
+    text = chat_text(qwen_vl_dir, "what is it", 1)
+    span = grid_span(qwen_vl_dir, sample_images()["square"])  # 4 rows
+    out = ask(qwen_vl_spans_server, span_segments(text, [span]), logprob_start_len=0)
+    entries = out["meta_info"]["input_token_logprobs"]
+    start = len(hf_qwen_vl(str(qwen_vl_dir))[1].tokenizer.encode(text.split(IMAGE_PLACEHOLDER)[0] + VISION_START))
+    nulls = [i for i, e in enumerate(entries) if e[0] is None and i > 0]
+    assert nulls == list(range(start, start + 4)), nulls

@@ -37,6 +37,8 @@ def info(store: handles.SpanStore) -> dict:
         "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
         "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
         "http_worker_pid": os.getpid(),
+        # an M-RoPE VLM served natively: spans carry image_grid_thw (image_spans.py); else None
+        "vision": spec.vision.info() if spec.vision is not None else None,
     }
 
 
