@@ -60,9 +60,7 @@ def embeds(x: Any, image_grid_thw: Any = None) -> SglEmbeds:
     ``[hidden]``. ``image_grid_thw`` (t, h, w): on a VLM served natively with M-RoPE (Qwen2.5-VL)
     the span is an image, with this patch grid before the spatial merge (docs/vision-encoders.md);
     write it between the vision-start and vision-end tokens."""
-    grid = None if image_grid_thw is None else tuple(image_grid_thw)
-    if grid is not None and (len(grid) != 3 or not all(isinstance(v, int) and v > 0 for v in grid)):
-        raise ValueError(f"image_grid_thw must be (t, h, w) of positive ints, got {image_grid_thw!r}")
+    grid = seg.image_grid(image_grid_thw)
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
         return SglEmbeds(x, grid)
     t = wire.as_2d_tensor(x)

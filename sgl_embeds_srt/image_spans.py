@@ -193,13 +193,14 @@ def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args:
     return original(self, recv_req, *args, **kwargs)
 
 
-def get_embedding_and_mask(original: Callable, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``mm_schedule.get_embedding_and_mask`` (called by keyword): when our items
-    are among those to embed, embed item by item (ours: their rows as they are; the others through
-    the model's own function, in one call), so the tower never sees our rows."""
-    if args or not any(map(_is_span_item, kwargs["embedding_items"])):
-        return original(*args, **kwargs)
-    return original(**{**kwargs, "data_embedding_func": _per_item(kwargs["data_embedding_func"])})
+def get_embedding_and_mask(original: Callable, data_embedding_func: Callable, embedding_items: list,
+                           *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``mm_schedule.get_embedding_and_mask``: when our items are among those to
+    embed, embed item by item (ours: their rows as they are; the others through the model's own
+    function, in one call), so the tower never sees our rows."""
+    if any(map(_is_span_item, embedding_items)):
+        data_embedding_func = _per_item(data_embedding_func)
+    return original(data_embedding_func, embedding_items, *args, **kwargs)
 
 
 def _per_item(embed: Callable) -> Callable:

@@ -17,7 +17,7 @@ from typing import Any
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.keys import is_routing_text
-from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
+from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text, image_grid
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
@@ -58,15 +58,12 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None,
 
 
 def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:
-    """A span's ``image_grid_thw`` from the wire (None when absent): ``[t, h, w]`` of positive ints,
-    the image's patch grid before the spatial merge (whether it fits the rows and the model is
-    checked in ``prompts.build_ids``)."""
-    if value is None:
-        return None
-    if (not isinstance(value, (list, tuple)) or len(value) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise wire.WireError(f"{where}image_grid_thw must be [t, h, w] of positive ints, got {value!r}")
-    return int(value[0]), int(value[1]), int(value[2])
+    """A span's ``image_grid_thw`` from the wire (``segments.image_grid``), errors naming ``where``
+    (whether it fits the rows and the model is checked in ``prompts.build_ids``)."""
+    try:
+        return image_grid(value)
+    except ValueError as e:
+        raise wire.WireError(f"{where}{e}") from None
 
 
 def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,

@@ -46,6 +46,17 @@ class Embeds:
 Segment = Union[Text, Ids, Embeds]
 
 
+def image_grid(value: object) -> tuple[int, int, int] | None:
+    """An ``Embeds.image_grid_thw`` as given (None when absent): ``[t, h, w]`` of positive ints,
+    else ``ValueError``; whether it fits the rows and the model is the server's check."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"image_grid_thw must be [t, h, w] of positive ints, got {value!r}")
+    return int(value[0]), int(value[1]), int(value[2])
+
+
 @dataclass
 class Prompt:
     """An ordered list of segments; adjacent text is merged as it is appended."""
