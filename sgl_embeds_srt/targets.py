@@ -157,10 +157,12 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.managers.scheduler.Scheduler._try_apply_padded_mm_input_ids":
         server("padded_input_ids", fp="e5ad39f142f55075"),
     # our items keep precomputed_embeddings unset, so this returns None and the per-item path runs
-    "sglang.srt.managers.mm_schedule._get_precomputed_embedding": server("precomputed_embeddings", fp="0d124c64a4cf82d7"),
+    "sglang.srt.managers.mm_schedule._get_precomputed_embedding":
+        server("precomputed_embeddings", fp="0d124c64a4cf82d7"),
     "sglang.srt.managers.mm_schedule._get_chunked_prefill_embedding":
         server("_batch_encode_per_image_misses", fp="f7ef04b1dfecef31"),
-    "sglang.srt.layers.rotary_embedding.mrope.MRotaryEmbedding.get_rope_index": server("get_rope_index(", fp="35d707fc2ad2eb46"),
+    "sglang.srt.layers.rotary_embedding.mrope.MRotaryEmbedding.get_rope_index":
+        server("get_rope_index(", fp="35d707fc2ad2eb46"),
     "sglang.srt.managers.mm_schedule._batch_encode_per_image_misses":
         server("data_embedding_func(miss_items)", "isinstance(all_miss_embedding, list)", fp="f0a32a66f7c8f079"),
     "sglang.srt.managers.mm_utils.embed_mm_inputs": server("get_embedding_and_mask(", fp="e9aa8c6497e155ee"),
