@@ -6,7 +6,10 @@ Extension fields (send them with the official client through ``extra_body``):
   with ``prompt`` left empty (``""``) or holding a gateway routing hint (``keys.routing_text``);
 * ``/v1/chat/completions``: a content part ``{"type": "input_embeds", "input_embeds": <tensor>}``
   in any message, mixed with text parts; or a top-level ``input_embeds`` (the whole prompt, no
-  template). A text part holding a routing hint is dropped.
+  template). A text part holding a routing hint is dropped. On an M-RoPE VLM (Qwen2.5-VL) a part
+  with ``"image_grid_thw"`` is an image: the chat template renders it as it renders an image
+  content part (``<|vision_start|><|image_pad|><|vision_end|>``) and the span takes the pad's
+  place, so the prompt is the one HF's processor builds for the same images.
 * ``keep_spans`` (both routes): keep the inline spans by handle (``handles.py``).
 
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
@@ -77,42 +80,65 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
         out["input_ids"] = ids
         return out, prompt_rows
     spans: list[seg.Embeds] = []
+    image_parts: list[int] = []  # indices into spans of the parts rendered as the template's images
     budget = parse.max_span_bytes()
-    messages = []
+    messages, flat_messages = [], []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             messages.append(m)
+            flat_messages.append(m)
             continue
-        text = []
+        parts = []  # text parts (a plain span as its marker) and image parts, for the template
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not is_routing_text(part.get("text")):
-                    text.append(str(part.get("text", "")))
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind == PART_TYPE:
+                where = f"messages[{i}].content[{j}]: "
                 try:
                     span = parse.decode_span(part.get(PART_TYPE), budget, store, keep)
                 except UnknownSpanHandle:
                     raise
                 except wire.WireError as e:
-                    raise wire.WireError(f"messages[{i}].content[{j}]: {e}") from None
+                    raise wire.WireError(f"{where}{e}") from None
                 budget -= span.tensor.numel() * 4
-                span.image_grid_thw = parse.image_grid_thw(part.get("image_grid_thw"),
-                                                           f"messages[{i}].content[{j}]: ")
-                text.append(seg.marker(len(spans)))
+                span.image_grid_thw = parse.image_grid_thw(part.get("image_grid_thw"), where)
+                if span.image_grid_thw is not None and spec.vision is not None:
+                    image_parts.append(len(spans))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": seg.marker(len(spans))})
                 spans.append(span)
             else:
                 raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be "
                                  f"'text' or '{PART_TYPE}', got {kind!r}")
-        messages.append({**m, "content": "".join(text)})
+        flat = "".join(p.get("text", "") for p in parts)
+        has_image = any(p["type"] == "image" for p in parts)
+        messages.append({**m, "content": parts if has_image else flat})
+        flat_messages.append({**m, "content": seg.strip_markers(flat)})
     rendered = chat_text(spec.tokenizer, messages, body)
+    if image_parts:
+        rendered = _spans_at_image_tokens(rendered, image_parts, spec)
     segments = _segments_of_chat_text(rendered, spans)
     ids, prompt_rows = prompts.build_ids(segments, spec, specials_first=False)
-    out["messages"] = [{**m, "content": seg.strip_markers(m["content"])}
-                       if isinstance(m.get("content"), str) else m for m in messages]
+    out["messages"] = flat_messages
     out["input_ids"] = ids
     return out, prompt_rows
+
+
+def _spans_at_image_tokens(rendered: str, image_parts: list[int], spec: prompts.ModelSpec) -> str:
+    """The rendered chat with the n-th image token the template wrote for an image part replaced
+    by the marker of the n-th span with a grid: the template writes what surrounds an image
+    (``<|vision_start|>``, ``<|vision_end|>``, any label), exactly as for a raw image."""
+    image_token = spec.tokenizer.convert_ids_to_tokens(spec.vision.image_token_id)
+    pieces = rendered.split(image_token)
+    if len(pieces) != len(image_parts) + 1:
+        raise ValueError(f"the chat template wrote {len(pieces) - 1} image token(s) "
+                         f"{image_token!r} for {len(image_parts)} input_embeds part(s) with an "
+                         "image_grid_thw: it must render each image content part once")
+    return pieces[0] + "".join(seg.marker(k) + after for k, after in zip(image_parts, pieces[1:]))
 
 
 def chat_text(tokenizer: Any, messages: list, body: dict) -> str:

@@ -1,4 +1,6 @@
-"""Runs span prompts through an in-process ``sglang.Engine`` and prints the results as JSON.
+"""Runs span prompts through an in-process ``sglang.Engine`` and prints the results as JSON:
+``engine_probe.py MODEL`` (text spans) or ``engine_probe.py QWEN_VL_MODEL ROWS_MODEL PROMPT``
+(image spans with grids; PROMPT holds one ``IMAGE_PLACEHOLDER``).
 
 A separate process on purpose: ``Engine.shutdown()`` kills every child process of its caller,
 which inside pytest would include the shared test servers. ``test_engine_inprocess.py`` runs
@@ -51,5 +53,39 @@ def main(model_dir: str) -> dict:
     return out
 
 
+def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
+    """Image spans (rows with their grid, as tensors) on a Qwen2.5-VL engine over ``model_dir``;
+    the rows come from HF's vision module on ``rows_dir``'s weights."""
+    from sgl_embeds.testing.qwen_vl import (  # HF's model: only this probe needs it
+        IMAGE_PLACEHOLDER, VISION_END, VISION_START, image_rows, sample_images)
+
+    eng = make_engine(model_dir, enable_multimodal=True, mm_attention_backend="sdpa",
+                      chunked_prefill_size=8, enable_cache_report=True)
+    out: dict = {}
+    try:
+        sp = {"temperature": 0, "max_new_tokens": 10}
+        before, after = sys.argv[3].split(IMAGE_PLACEHOLDER)
+        for name in ("stripes", "disc"):
+            rows, grid = image_rows(rows_dir, sample_images()[name])
+            segments = [{"type": "text", "text": before + VISION_START},
+                        {"type": "embeds", "embeds": rows, "image_grid_thw": list(grid)},
+                        {"type": "text", "text": VISION_END + after}]
+            first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True)
+            again = eng.generate(input_segments=segments, sampling_params=sp)
+            out[name] = {"ids": first["output_ids"], "again_ids": again["output_ids"],
+                         "logprobs": [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]],
+                         "cached": again["meta_info"]["cached_tokens"], "prompt": again["meta_info"]["prompt_tokens"]}
+        try:
+            eng.generate(input_segments=[{"type": "text", "text": before + VISION_START},
+                                         {"type": "embeds", "embeds": rows, "image_grid_thw": [1, 2, 2]}],
+                         sampling_params=sp)
+            out["bad_grid"] = None
+        except ValueError as e:
+            out["bad_grid"] = str(e)
+    finally:
+        eng.shutdown()
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    print(json.dumps(main_qwen_vl(*sys.argv[1:3]) if len(sys.argv) > 2 else main(sys.argv[1])))

@@ -8,7 +8,12 @@ proves the tower never ran on the rows. Its small prefill chunk cuts images acro
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -24,6 +29,7 @@ from sgl_embeds.testing.qwen_vl import (
     hf_qwen_vl,
     image_rows,
     png_base64,
+    poisoned_vision_dir,
     qwen_vl_greedy,
     qwen_vl_inputs,
     sample_images,
@@ -65,13 +71,16 @@ def ask(server, segments: list[dict], **extra) -> dict:
     return helpers.generate(server, helpers.body(segments, MAX_TOKENS, return_logprob=True, **extra))
 
 
-def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str) -> list[int]:
+def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
+                      add_special_tokens: bool = True) -> list[int]:
     """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
     ours = out["output_ids"]
-    reference = qwen_vl_greedy(checkpoint, text, hf_images, MAX_TOKENS)
+    greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
+                               add_special_tokens=add_special_tokens)
+    reference = greedy()
     ref.assert_not_degenerate(reference.tokens, f"{label}: ", min_distinct=2)
     model, _ = hf_qwen_vl(str(checkpoint))
-    forgiven = ref.check_greedy(ours, lambda prefix: qwen_vl_greedy(checkpoint, text, hf_images, MAX_TOKENS, prefix),
+    forgiven = ref.check_greedy(ours, greedy,
                                 f"{label}: ", eos_ids=ref.eos_ids(model))
     assert len(ours) >= MIN_COMPARED, f"{label}: only {len(ours)} tokens compared"
     logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
@@ -223,3 +232,72 @@ def test_input_logprobs_are_null_at_image_rows(qwen_vl_spans_server, qwen_vl_dir
     start = len(hf_qwen_vl(str(qwen_vl_dir))[1].tokenizer.encode(text.split(IMAGE_PLACEHOLDER)[0] + VISION_START))
     nulls = [i for i, e in enumerate(entries) if e[0] is None and i > 0]
     assert nulls == list(range(start, start + 4)), nulls
+
+
+def chat_messages_text(checkpoint, messages: list[dict]) -> str:
+    """HF's processor's rendering of ``messages`` (image parts as ``{"type": "image"}``)."""
+    _, processor = hf_qwen_vl(str(checkpoint))
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def span_part(checkpoint, image) -> dict:
+    rows, grid = image_rows(checkpoint, image)
+    return {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows), "image_grid_thw": list(grid)}
+
+
+@pytest.mark.parametrize("earlier_turns", [0, 1], ids=["first-turn", "after-a-turn"])
+def test_chat_route_image_parts_equal_hf(qwen_vl_spans_server, qwen_vl_dir, earlier_turns):
+    """``/v1/chat/completions`` with ``input_embeds`` parts that carry a grid: the server renders
+    each as the chat template renders an image (vision tokens around it), so the prompt ids and
+    the answer equal HF's processor and model on the pixels, for two images in one message and
+    for an image sent after a turn of chat."""
+    pictures = sample_images()
+    history = [{"role": "user", "content": "I will show you a picture"}, {"role": "assistant", "content": "ok"}]
+    history = history[:2 * earlier_turns]
+    images = [pictures["disc"], pictures["square"]] if earlier_turns == 0 else [pictures["stripes"]]
+    question = {"type": "text", "text": "which colors do you see"}
+    hf_messages = history + [{"role": "user", "content": [{"type": "image"}] * len(images) + [question]}]
+    ours = history + [{"role": "user", "content": [span_part(qwen_vl_dir, im) for im in images] + [question]}]
+    text = chat_messages_text(qwen_vl_dir, hf_messages)
+    res = requests.post(qwen_vl_spans_server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": ours, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "logprobs": True, "return_token_ids": True})
+    assert res.status_code == 200, res.text
+    choice = res.json()["choices"][0]
+    hf_ids = qwen_vl_inputs(qwen_vl_dir, text, images, add_special_tokens=False)["input_ids"][0].tolist()
+    assert choice["prompt_token_ids"] == hf_ids  # as HF's processor tokenizes a rendered chat
+    tokens = choice["response_token_ids"]
+    logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
+    as_generate = {"output_ids": tokens, "meta_info": {"output_token_logprobs": [(lp, None, None) for lp in logprobs]}}
+    reference = assert_matches_hf(as_generate, qwen_vl_dir, text, images, f"chat after {earlier_turns} turn(s)",
+                                  add_special_tokens=False)
+    other = qwen_vl_greedy(qwen_vl_dir, text, [pictures["checks"]] * len(images), MAX_TOKENS,
+                           add_special_tokens=False).tokens
+    assert other != reference, "another image must change HF's answer"
+
+
+def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server, qwen_vl_dir):
+    part = span_part(qwen_vl_dir, sample_images()["square"])
+    res = requests.post(qwen_vl_spans_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "<|image_pad|>"}, part]}]})
+    assert res.status_code == 400 and "image token(s)" in res.json()["message"], res.text
+
+
+def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir):
+    """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor,
+    on an engine whose vision weights are NaN (a child process: ``tests/engine_probe.py``):
+    HF's tokens and logprobs, a repeat cached, a bad grid a ``ValueError``."""
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    script = Path(__file__).with_name("engine_probe.py")
+    done = subprocess.run([sys.executable, str(script), str(poisoned_vision_dir(qwen_vl_dir)), str(qwen_vl_dir), text],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("stripes", "disc"):
+        res = probe[name]
+        out = {"output_ids": res["ids"], "meta_info": {"output_token_logprobs": [(lp, None, None) for lp in res["logprobs"]]}}
+        assert_matches_hf(out, qwen_vl_dir, text, [sample_images()[name]], f"engine, {name}")
+        assert res["again_ids"] == res["ids"] and res["cached"] == res["prompt"] - 1
+    assert probe["stripes"]["ids"] != probe["disc"]["ids"]
+    assert "makes t*h*w/merge**2 = 1 rows" in probe["bad_grid"], probe["bad_grid"]

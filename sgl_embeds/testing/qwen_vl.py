@@ -126,22 +126,24 @@ def hf_qwen_vl(checkpoint: str):
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
-def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
+def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list, add_special_tokens: bool = True) -> dict:
     """What HF's processor builds for ``text`` (one ``IMAGE_PLACEHOLDER`` per image): the pad
-    expanded to t*h*w/merge**2 tokens, ``pixel_values`` and ``image_grid_thw``."""
+    expanded to t*h*w/merge**2 tokens, ``pixel_values`` and ``image_grid_thw``.
+    ``add_special_tokens=False`` for a rendered chat, as ``apply_chat_template`` tokenizes it."""
     _, processor = hf_qwen_vl(str(checkpoint))
-    return dict(processor(text=[text], images=images or None, return_tensors="pt"))
+    return dict(processor(text=[text], images=images or None, return_tensors="pt",
+                          add_special_tokens=add_special_tokens))
 
 
 @torch.no_grad()
 def qwen_vl_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
-                   prefix: list[int] = ()) -> Greedy:
+                   prefix: list[int] = (), add_special_tokens: bool = True) -> Greedy:
     """HF ``Qwen2_5_VLForConditionalGeneration.generate`` (float32, greedy) after ``text`` +
-    ``prefix``, for ``reference.check_greedy``."""
+    ``prefix``, for ``reference.check_greedy`` (``add_special_tokens``: see ``qwen_vl_inputs``)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
     model, _ = hf_qwen_vl(str(checkpoint))
-    inputs = qwen_vl_inputs(checkpoint, text, images)
+    inputs = qwen_vl_inputs(checkpoint, text, images, add_special_tokens)
     if prefix:  # text tokens after the prompt: M-RoPE continues them from the prompt's last position
         extra = torch.tensor([list(prefix)])
         inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
