@@ -8,7 +8,9 @@ into segments. Every executor gets its ``ProgramSpans`` in ``__init__`` and ``fo
 every branch, as SGLang's interpreter declares and copies its ``images_``.
 
 With a backend that has a ``vision_encoder``, ``sgl.image(...)`` is encoded client-side into a
-span too, so VLM-style programs run on a text-only LLM plus the developer's own vision tower.
+span too (with the image's grid when the encoder gives one, as ``QwenVLEncoder`` does), so
+VLM-style programs run on a text-only LLM plus the developer's own vision tower, or on a natively
+served Qwen2.5-VL without its tower running on the server.
 """
 
 from __future__ import annotations
@@ -118,14 +120,16 @@ def add_span(executor: Any, tensor: torch.Tensor, image_grid_thw: tuple[int, int
     executor._execute_fill(seg.marker(key))
 
 
-def _encode(executor: Any, encoder: Callable, image: Any, region: Any = None) -> torch.Tensor:
-    """Encoder rows of an image or a region, through the backend's ``encoder_cache`` if it has
-    one."""
+def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = None) -> None:
+    """A span of the encoder's rows of an image or a region, with the grid when the encoder gives
+    one, through the backend's ``encoder_cache`` if it has one."""
     image = vision.load_image(image)
     cache = getattr(executor.backend, "encoder_cache", None)
     if cache is not None:
-        return cache.encode(encoder, image, region)
-    return vision.encode_region(image, region, encoder)
+        encoded = cache.encode(encoder, image, region)
+    else:
+        encoded = vision.encode_region(image, region, encoder)
+    add_span(executor, encoded.rows, encoded.image_grid_thw)
 
 
 def _execute_region(executor: Any, expr: SglRegion) -> None:
@@ -140,7 +144,7 @@ def _execute_region(executor: Any, expr: SglRegion) -> None:
     if encoder is None:
         raise ValueError("sgl.region needs a VisionEncoder: pass encoder=... or give the "
                          "backend one")
-    add_span(executor, _encode(executor, encoder, image, expr.box))
+    _add_encoded(executor, encoder, image, expr.box)
 
 
 def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -160,7 +164,7 @@ def execute(original: Callable, self: Any, other: Any) -> Any:
         program_spans(self).images.append(other.path)  # loaded only if a region asks for it
         encoder = getattr(self.backend, "vision_encoder", None)
         if encoder is not None:
-            return add_span(self, _encode(self, encoder, other.path))
+            return _add_encoded(self, encoder, other.path)
     return original(self, other)
 
 

@@ -1,6 +1,8 @@
 """Vision encoders for ``sgl.region`` / ``sgl.image``: boxes, crops, and the open_clip default.
 
-A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``. The default,
+A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``, or ``-> ImageRows`` when
+the rows carry the image's patch grid (on VLMs with M-RoPE, Qwen2.5-VL: the server places the
+rows by it). ``checked_rows`` checks either where it enters and gives ``ImageRows``. The default,
 ``OpenClipEncoder``, is a VLM's front half: an open_clip vision tower followed by a projector to
 the LLM's hidden size (LLaVA-style), with weights loaded from the developer's own checkpoint.
 
@@ -27,6 +29,7 @@ import hashlib
 import io
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, Union
 
@@ -36,6 +39,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.lru import LRU, nbytes
 
@@ -43,8 +47,20 @@ from sgl_embeds_srt.lru import LRU, nbytes
 DEFAULT_MEAN_COLOR = (123, 117, 104)
 
 
+@dataclass(frozen=True)
+class ImageRows:
+    """An encoder's rows of one image (or region) and, on M-RoPE VLMs, the image's patch grid
+    ``(t, h, w)`` before the spatial merge, which goes with the span to the server."""
+
+    rows: torch.Tensor  # [n, hidden], on the CPU once checked
+    image_grid_thw: tuple[int, int, int] | None = None
+
+
 class VisionEncoder(Protocol):
-    def __call__(self, image: Image.Image) -> torch.Tensor:  # [n, hidden]
+    """Optional attributes: ``identity`` (names weights and settings, for ``EncoderCache``),
+    ``mean_color`` (fills the outside of a mask) and ``merge_size`` (checks rows against a grid)."""
+
+    def __call__(self, image: Image.Image) -> torch.Tensor | ImageRows:  # rows: [n, hidden]
         ...
 
 
@@ -143,17 +159,27 @@ def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
     return crop(image, region)
 
 
-def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> torch.Tensor:
-    """``encoder`` applied to the region (a box, a mask, or None for the whole image), checked to
-    be a finite ``[n, hidden]`` tensor."""
-    return checked_rows(encoder(region_image(image, region, encoder)))
+def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> ImageRows:
+    """``encoder`` applied to the region (a box, a mask, or None for the whole image), checked by
+    ``checked_rows``."""
+    out = encoder(region_image(image, region, encoder))
+    return checked_rows(out, getattr(encoder, "merge_size", None))
 
 
-def checked_rows(out: Any) -> torch.Tensor:
-    """An encoder's output as a CPU tensor, checked where it enters: ``[n, hidden]``, finite."""
+def checked_rows(out: Any, merge_size: int | None = None) -> ImageRows:
+    """An encoder's output (rows, or ``ImageRows``) checked where it enters: rows ``[n, hidden]``,
+    finite, moved to the CPU; a grid ``[t, h, w]`` of positive ints that, when the encoder gives
+    its ``merge_size``, accounts for every row (``t*h*w / merge_size**2``)."""
+    grid = None
+    if isinstance(out, ImageRows):
+        out, grid = out.rows, seg.image_grid(out.image_grid_thw)
     t = wire.as_2d_tensor(out)
     wire.check_tensor(t)
-    return t.detach().cpu()
+    if grid is not None and merge_size is not None and math.prod(grid) != len(t) * merge_size**2:
+        raise ValueError(f"the encoder gave {len(t)} rows for image_grid_thw {list(grid)}, which "
+                         f"makes t*h*w/merge**2 = {math.prod(grid) / merge_size**2:g} rows "
+                         f"(merge size {merge_size})")
+    return ImageRows(t.detach().cpu(), grid)
 
 
 class EncoderCache:
@@ -165,20 +191,20 @@ class EncoderCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
-        self._lru: LRU[torch.Tensor] = LRU(max_bytes, nbytes)
+        self._lru: LRU[ImageRows] = LRU(max_bytes, lambda encoded: nbytes(encoded.rows))
         self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
 
     def encode(self, encoder: VisionEncoder, image: Image.Image,
-               region: Any = None) -> torch.Tensor:
+               region: Any = None) -> ImageRows:
         key = (self._identity(encoder), image_digest(image), _region_key(region, image))
-        rows = self._lru.get(key)
-        if rows is not None:
+        encoded = self._lru.get(key)
+        if encoded is not None:
             self.hits += 1
-            return rows
+            return encoded
         self.misses += 1
-        rows = encode_region(image, region, encoder)
-        self._lru.put(key, rows)
-        return rows
+        encoded = encode_region(image, region, encoder)
+        self._lru.put(key, encoded)
+        return encoded
 
     def _identity(self, encoder: Any) -> Any:
         identity = getattr(encoder, "identity", None)

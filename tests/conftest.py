@@ -20,6 +20,8 @@ CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256",
                     "--page-size", "1"]
 # A natively served Qwen2.5-VL: SGLang's multimodal path, the vision tower's attention in sdpa on CPU
 QWEN_VL_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
+QWEN_VL_SPANS_ARGS = ["--skip-server-warmup", "--chunked-prefill-size", "8", "--max-total-tokens", "256",
+                      "--max-running-requests", "8", "--schedule-conservativeness", "0.01"]
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +86,10 @@ def servers(llava_dirs):
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=QWEN_VL_ARGS),
         # image spans: NaN vision weights (the tower must never run on spans; no warm-up request,
         # whose image would run the NaN tower, and SGLang then answers every later request with
-        # token 0, ours or not), and prefill chunks of 8 positions, so every image is cut
+        # token 0, ours or not), prefill chunks of 8 positions, so every image is cut, and a KV
+        # pool of 256 positions, so that concurrent requests retract
         "qwen_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_5_vl_dir()),
-                                        extra_args=[*QWEN_VL_ARGS, "--chunked-prefill-size", "8",
-                                                    "--skip-server-warmup"]),
+                                        extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
     })
     yield pool
     pool.stop()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
+from PIL import Image
 
 from sgl_embeds_srt import wire
 from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.server import Server
 
 GREEDY = {"temperature": 0.0}
 
@@ -13,6 +18,11 @@ GREEDY = {"temperature": 0.0}
 def seeded_rows(seed: int, n: int, hidden: int = 64, scale: float = 0.05) -> torch.Tensor:
     """A reproducible span of ``n`` random rows, at the scale of the tiny models' embeddings."""
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def random_image(w: int, h: int, seed: int = 0) -> Image.Image:
+    """An RGB image of uniform noise: every pixel a resize or crop gets wrong shows."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 def text(t: str) -> dict:
@@ -67,3 +77,19 @@ def hf_select_scores(model_dir, parts: list, suffix: str, choices: list[str]) ->
         lps = [logp[p - 1, t].item() for p, t in zip(range(n_pre, full.shape[0]), tail)]
         scores.append(sum(lps) / len(lps))
     return scores
+
+
+def start_multi_tokenizer(model_dir, extra_args: list[str], workers: int = 2):
+    """A server of ``model_dir`` in multi-tokenizer mode (``--tokenizer-worker-num``), returned
+    once every HTTP worker has registered (the server says it is ready after the first)."""
+    # On a busy 2-core machine a worker's import can outlast uvicorn's 10 s health check of its
+    # workers, which then replaces it: give it time.
+    server = Server(model_dir, extra_args=["--tokenizer-worker-num", str(workers), *extra_args],
+                    env={"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "120"}).start()
+    deadline = time.monotonic() + 180
+    while f"(total: {workers})" not in server.log_path.read_text(errors="replace"):
+        if time.monotonic() > deadline or not server.alive():
+            server.stop()
+            raise AssertionError(server.log_tail())
+        time.sleep(0.5)
+    return server

@@ -9,21 +9,13 @@ import time
 import pytest
 import requests
 
+import helpers
 from helpers import body, generate, seeded_rows, span, text
-from sgl_embeds.testing.server import Server
 
 
 @pytest.fixture(scope="module")
 def multi_tokenizer_server(llama_dir):
-    # On a busy 2-core machine a worker's import can outlast uvicorn's 10 s health check of its
-    # workers, which then replaces it: give it time, and wait until both have registered (the
-    # server says it is ready once the first one has).
-    server = Server(llama_dir, extra_args=["--tokenizer-worker-num", "2", "--enable-cache-report"],
-                    env={"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "120"}).start()
-    deadline = time.monotonic() + 180
-    while "(total: 2)" not in server.log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline and server.alive(), server.log_tail()
-        time.sleep(0.5)
+    server = helpers.start_multi_tokenizer(llama_dir, ["--enable-cache-report"])
     yield server
     server.stop()
 

@@ -1,15 +1,19 @@
 """Hostile input over HTTP: random span fields on /generate and the OpenAI routes always get a
-4xx with a message (or a 200 when they happen to be valid), never a 5xx or a dead scheduler."""
+4xx with a message (or a 200 when they happen to be valid), never a 5xx or a dead scheduler; on a
+text model and on a natively served Qwen2.5-VL, where spans carry (random) image grids too."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import requests
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_fuzz_wire import payloads
+from sgl_embeds_srt import wire
+from test_fuzz_wire import json_values, payloads
 
 ROUTES = {
     "/generate": lambda p: {"input_segments": [{"type": "text", "text": "a"}, {"type": "embeds", "embeds": p}], "sampling_params": {"max_new_tokens": 1}},
@@ -17,7 +21,23 @@ ROUTES = {
     "/v1/completions": lambda p: {"model": "default", "prompt": "", "max_tokens": 1, "input_embeds": p},
     "/v1/chat/completions": lambda p: {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "input_embeds", "input_embeds": p}]}]},
 }
-SEEN: dict[int, int] = {}
+VISION_START = "<|vision_start|>"
+# what a grid span may carry: grids of the right form (mostly of wrong sizes) and anything else,
+# with well-formed rows of the model's width half the time, so the grid checks are reached
+grids = st.one_of(st.lists(st.integers(1, 12), min_size=3, max_size=3),
+                  st.lists(st.integers(-3, 40), max_size=4), json_values)
+good_rows = st.integers(1, 24).map(lambda n: wire.encode_tensor(torch.randn(n, 64) * 0.05))
+GRID_ROUTES = {
+    "/generate#grid": lambda p, g: {"input_segments": [{"type": "text", "text": VISION_START},
+                                                       {"type": "embeds", "embeds": p, "image_grid_thw": g}],
+                                    "sampling_params": {"max_new_tokens": 1}},
+    "/v1/chat/completions#grid": lambda p, g: {"model": "default", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "input_embeds", "input_embeds": p, "image_grid_thw": g}]}]},
+}
+SERVERS = ["llama_server", "qwen_vl_spans_server"]
+EXAMPLES = 100
+SEEN: dict[str, dict[int, int]] = {name: {} for name in SERVERS}
+GRID_REFUSALS: list[str] = []  # 400s about a grid the server could decode: the grid checks ran
 
 
 def _post(server, route: str, body: dict) -> requests.Response:
@@ -26,19 +46,33 @@ def _post(server, route: str, body: dict) -> requests.Response:
     return requests.post(server.url + route.split("#")[0], data=raw, headers={"content-type": "application/json"}, timeout=60)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(route=st.sampled_from(sorted(ROUTES)), payload=payloads)
-def test_random_span_fields_never_cause_a_server_error(llama_server, route, payload):
-    r = _post(llama_server, route, ROUTES[route](payload))
-    SEEN[r.status_code] = SEEN.get(r.status_code, 0) + 1
+@pytest.mark.parametrize("server_name", SERVERS)
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_span_fields_never_cause_a_server_error(request, server_name, data):
+    server = request.getfixturevalue(server_name)
+    routes = {**ROUTES, **GRID_ROUTES} if server_name == "qwen_vl_spans_server" else ROUTES
+    route = data.draw(st.sampled_from(sorted(routes)), "route")
+    build = routes[route]
+    payload = data.draw(st.one_of(good_rows, payloads) if route in GRID_ROUTES else payloads, "payload")
+    body = build(payload, data.draw(grids, "grid")) if route in GRID_ROUTES else build(payload)
+    r = _post(server, route, body)
+    SEEN[server_name][r.status_code] = SEEN[server_name].get(r.status_code, 0) + 1
     assert r.status_code < 500, (route, r.status_code, r.text[:300])
     if r.status_code >= 400:
         assert r.json().get("message") or r.json().get("error"), r.text[:300]
+        if route in GRID_ROUTES and "image_grid_thw [" in r.text:
+            GRID_REFUSALS.append(r.json()["message"])
 
 
-def test_the_server_still_serves_after_the_fuzzing(llama_server):
-    assert sum(SEEN.values()) == 120, SEEN  # every example was sent (and answered)
-    assert llama_server.alive()
-    r = llama_server.generate({"input_embeds": [[0.01] * 64] * 3, "sampling_params": {"max_new_tokens": 2}})
+@pytest.mark.parametrize("server_name", SERVERS)
+def test_the_server_still_serves_after_the_fuzzing(request, server_name):
+    server = request.getfixturevalue(server_name)
+    assert sum(SEEN[server_name].values()) == EXAMPLES, SEEN  # every example was sent (and answered)
+    if server_name == "qwen_vl_spans_server":
+        assert GRID_REFUSALS, "no example reached the grid checks"
+    assert server.alive()
+    r = server.generate({"text": "the red fox", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
-    assert requests.get(llama_server.url + "/health", timeout=10).status_code == 200
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200

@@ -24,13 +24,20 @@ def _hostile(vocab: int) -> list:
     return [vocab, vocab + 1, 2**31, 2**62, 2**62 + 12345, 2**63 - 1, 2**63, 2**64 + 5, -1, -3, 1.5, "7", True, None]
 
 
-def _forms(bad) -> dict[str, tuple[str, dict]]:
+# a valid span prompt start on each server: a plain span, or an image span (grid 1x4x4: 4 rows)
+SPAN_STARTS = {
+    "llama_server": [text("the"), span(seeded_rows(1, 3))],
+    "qwen_vl_spans_server": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]}],
+}
+
+
+def _forms(bad, span_start: list) -> dict[str, tuple[str, dict]]:
     one = {"max_new_tokens": 2, "temperature": 0}
     return {
         "generate ids": ("/generate", {"input_ids": [1, 2, bad], "sampling_params": one}),
         "generate batch ids": ("/generate", {"input_ids": [[1, 2], [3, bad]], "sampling_params": one}),
-        "generate span + ids segment": ("/generate", {"input_segments": [text("the"), span(seeded_rows(1, 3)),
-                                                      {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}),
+        "generate span + ids segment": ("/generate", {"input_segments": [
+            *span_start, {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}),
         "completions ids": ("/v1/completions", {"model": "default", "prompt": [1, 2, bad], "max_tokens": 2}),
         "completions batch ids": ("/v1/completions", {"model": "default", "prompt": [[1, 2], [bad]], "max_tokens": 2}),
         "chat input_ids": ("/v1/chat/completions", {"model": "default", "max_tokens": 2, "input_ids": [1, bad],
@@ -43,20 +50,24 @@ def _alive(server) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_boundary_ids_get_4xx_and_never_take_the_server_down(llama_server):
-    assert requests.get(llama_server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"] == VOCAB
+@pytest.mark.parametrize("server_name", sorted(SPAN_STARTS))
+def test_boundary_ids_get_4xx_and_never_take_the_server_down(request, server_name):
+    server = request.getfixturevalue(server_name)
+    vocab = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"]
+    if server_name == "llama_server":
+        assert vocab == VOCAB
     sent = 0
-    for bad in _hostile(VOCAB):
-        for form, (path, body) in _forms(bad).items():
-            r = requests.post(llama_server.url + path, json=body, timeout=60)
+    for bad in _hostile(vocab):
+        for form, (path, body) in _forms(bad, SPAN_STARTS[server_name]).items():
+            r = requests.post(server.url + path, json=body, timeout=60)
             sent += 1
             assert 400 <= r.status_code < 500, (form, bad, r.status_code, r.text[:300])
-            assert llama_server.alive(), (form, bad)
-        _alive(llama_server)
-    assert sent == len(_hostile(VOCAB)) * 6
+            assert server.alive(), (form, bad)
+        _alive(server)
+    assert sent == len(_hostile(vocab)) * 6
     # the last valid id is served on every form
-    for form, (path, body) in _forms(VOCAB - 1).items():
-        r = requests.post(llama_server.url + path, json=body, timeout=60)
+    for form, (path, body) in _forms(vocab - 1, SPAN_STARTS[server_name]).items():
+        r = requests.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 200, (form, r.text[:300])
 
 

@@ -15,13 +15,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 import sglang as sgl
 
 import helpers
-from sgl_embeds import EmbedsEndpoint
+from conftest import QWEN_VL_ARGS
+from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.testing import reference as ref
+from sgl_embeds.vlm import load_encoder
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
     VISION_END,
@@ -34,6 +37,7 @@ from sgl_embeds.testing.qwen_vl import (
     qwen_vl_inputs,
     sample_images,
 )
+from sgl_embeds.testing.server import Gateway
 from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt.segments import Embeds, Text
 
@@ -301,3 +305,140 @@ def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir):
         assert res["again_ids"] == res["ids"] and res["cached"] == res["prompt"] - 1
     assert probe["stripes"]["ids"] != probe["disc"]["ids"]
     assert "makes t*h*w/merge**2 = 1 rows" in probe["bad_grid"], probe["bad_grid"]
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_gateway(qwen_vl_spans_server, qwen_vl_server):
+    """smg (cache-aware) in front of both Qwen2.5-VL servers: spans are served alike by either,
+    since neither runs its tower on them."""
+    gw = Gateway([qwen_vl_spans_server.url, qwen_vl_server.url]).start()
+    yield gw
+    gw.stop()
+
+
+def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwen_vl_gateway, qwen_vl_dir):
+    """``/generate`` segments (the routing hint covers rows and grid), the chat route with grid
+    parts, and a program through ``EmbedsEndpoint`` (its own hint): HF's tokens and logprobs
+    behind the gateway, and a repeat lands where its prefix is cached."""
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    image = sample_images()["disc"]
+    span = grid_span(qwen_vl_dir, image)
+    segments = span_segments(text, [span])
+    rows = wire.decode_tensor(span["embeds"])
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    hint = keys.routing_text([Text(before + VISION_START), Embeds(rows, image_grid_thw=tuple(span["image_grid_thw"])),
+                              Text(VISION_END + after)])
+    assert keys.route_grid(tuple(span["image_grid_thw"])) in hint
+    def through(payload: dict) -> dict:
+        res = requests.post(qwen_vl_gateway.url + "/generate", json=payload, timeout=120)
+        assert res.status_code == 200, res.text
+        return res.json()
+
+    first = through({**helpers.body(segments, MAX_TOKENS, return_logprob=True), "text": hint})
+    assert_matches_hf(first, qwen_vl_dir, text, [image], "through the gateway")
+    again = through({**helpers.body(segments, MAX_TOKENS), "text": hint})
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
+
+    model = requests.get(qwen_vl_gateway.worker_urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+    chat = requests.post(qwen_vl_gateway.url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, "messages": [
+            {"role": "user", "content": [span_part(qwen_vl_dir, image),
+                                         {"type": "text", "text": "what is the color of the object"}]}]})
+    assert chat.status_code == 200, chat.text
+    hf_chat = qwen_vl_greedy(qwen_vl_dir, text, [image], MAX_TOKENS, add_special_tokens=False).tokens
+    assert chat.json()["choices"][0]["response_token_ids"] == hf_chat
+
+    backend = EmbedsEndpoint(qwen_vl_gateway.url)
+    run = backend.run(input_segments=[Text(before + VISION_START), Embeds(rows, image_grid_thw=tuple(span["image_grid_thw"])),
+                                      Text(VISION_END + after)], sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+    assert run["output_ids"] == first["output_ids"]
+
+
+def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir):
+    """Two HTTP worker processes (``--tokenizer-worker-num 2``) in front of one scheduler, on the
+    NaN-tower checkpoint: both answer with the vision block, and image spans sent to them
+    concurrently all equal HF (inline, and by handle where the worker kept the span)."""
+    server = helpers.start_multi_tokenizer(poisoned_vision_dir(qwen_vl_dir),
+                                           [*QWEN_VL_ARGS, "--skip-server-warmup"])
+    try:
+        infos = {}
+        for _ in range(40):
+            info = requests.get(server.url + "/sgl_embeds/info", timeout=60).json()
+            infos[info["http_worker_pid"]] = info["vision"]
+        assert len(infos) == 2 and all(v["merge_size"] == 2 for v in infos.values()), infos
+        text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+        image = sample_images()["stripes"]
+        span = grid_span(qwen_vl_dir, image)
+        inline = helpers.body(span_segments(text, [span]), MAX_TOKENS, return_logprob=True, keep_spans=True)
+        handle = {"type": "embeds", "embeds": {"handle": keys.span_handle(wire.decode_tensor(span["embeds"]))},
+                  "image_grid_thw": span["image_grid_thw"]}
+        by_handle = helpers.body(span_segments(text, [handle]), MAX_TOKENS)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda _: helpers.generate(server, inline), range(8)))
+            again = list(pool.map(lambda _: server.generate(by_handle), range(8)))
+        assert_matches_hf(outs[0], qwen_vl_dir, text, [image], "multi-tokenizer")
+        assert all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+        served = [r.json() for r in again if r.status_code == 200]
+        assert served and all(o["output_ids"] == outs[0]["output_ids"] for o in served)
+        assert all(r.json()["type"] == keys.UNKNOWN_HANDLE_TYPE for r in again if r.status_code != 200)
+    finally:
+        server.stop()
+
+
+def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(qwen_vl_spans_server, qwen_vl_dir):
+    """``EmbedsEndpoint(vision_encoder=load_encoder(QWEN_DIR))``: ``sgl.image(img)``,
+    ``sgl.region(box, img)`` and ``sgl.region(mask, img)`` between the vision tokens answer as
+    HF does on the image, the crop and the masked crop (outside the mask: the processor's mean
+    colour), through the program and through ``/generate`` with the encoder's rows."""
+    encoder = load_encoder(qwen_vl_dir, device="cpu")
+    backend = EmbedsEndpoint(qwen_vl_spans_server.url, vision_encoder=encoder)
+    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    image = sample_images()["disc"]
+    mask = np.zeros((image.height, image.width), dtype=bool)
+    mask[20:70, 10:50] = True
+    mask[30:60, 20:40] = False  # a ring: not a box
+    regions = {"image": None, "box": (8, 16, 56, 80), "mask": mask}
+
+    @sgl.function
+    def ask_about(s, image, region):
+        s += before + encoder.vision_start
+        s += sgl.image(image) if region is None else sgl.region(region, image)
+        s += encoder.vision_end + after
+        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+    references = {}
+    for name, region in regions.items():
+        seen = vision.region_image(image, region, encoder)  # what HF is shown
+        encoded = encoder(seen)
+        span = {**helpers.span(encoded.rows), "image_grid_thw": list(encoded.image_grid_thw)}
+        direct = ask(qwen_vl_spans_server, span_segments(text, [span]))
+        references[name] = assert_matches_hf(direct, qwen_vl_dir, text, [seen], f"client encoder, {name}")
+        state = ask_about.run(image=image, region=region, backend=backend)
+        assert state["answer"] == direct["text"], name
+    assert len({tuple(r) for r in references.values()}) == 3, f"the region must change HF: {references}"
+
+
+def test_retraction_keeps_image_span_outputs_identical(qwen_vl_spans_server, qwen_vl_dir):
+    """8 concurrent image-span requests of ~50 positions + 60 new tokens each need far more than
+    the server's 256 KV positions: the scheduler retracts some and prefills them again later
+    (their image items too); every output equals the same request served alone. Whether it
+    retracts depends on how the requests arrive: each attempt must be identical, one must retract."""
+    pictures = list(sample_images().values())
+    questions = ["what is the color of the object", "describe it in a few words"]
+    prompts = [span_segments(chat_text(qwen_vl_dir, questions[i // 4], 1), [grid_span(qwen_vl_dir, pictures[i % 4])])
+               for i in range(8)]
+    bodies = [{"input_segments": p, "sampling_params": {**helpers.GREEDY, "max_new_tokens": 60}}
+              for p in prompts]
+    want = [helpers.generate(qwen_vl_spans_server, b)["output_ids"] for b in bodies]
+    assert len({tuple(w) for w in want}) == 8
+    retracted, attempts = 0, 0
+    while retracted == 0 and attempts < 3:
+        requests.post(qwen_vl_spans_server.url + "/flush_cache", timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda b: helpers.generate(qwen_vl_spans_server, b), bodies))
+        assert [g["output_ids"] for g in got] == want
+        retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
+        attempts += 1
+    assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"

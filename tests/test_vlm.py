@@ -13,6 +13,7 @@ import sglang as sgl
 import torch
 from PIL import Image
 
+import helpers
 import sgl_embeds
 from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
@@ -26,10 +27,6 @@ from sgl_embeds.vlm.tower import WEIGHTS_NAME
 
 SIZES = [(32, 32), (50, 37), (37, 50), (300, 100), (17, 20), (640, 480)]
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is the color of the object"}]}]
-
-
-def _random_image(w: int, h: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 def _quiet_split(src, dst):
@@ -51,7 +48,7 @@ def test_pixel_values_equal_the_checkpoint_processor(backend):
     hf = AutoImageProcessor.from_pretrained(tiny_llava_dir("llama"), backend=backend)
     ours = ImageProcessing.from_hf(hf, backend)
     for i, (w, h) in enumerate(SIZES):
-        image = _random_image(w, h, seed=i)
+        image = helpers.random_image(w, h, seed=i)
         want = hf(images=image, return_tensors="pt")["pixel_values"][0]
         assert torch.equal(ours(image), want), (backend, w, h)
 
@@ -90,7 +87,7 @@ def test_encoder_equals_hf_image_features(llama_vlm, layer, strategy):
 
     variant = LlavaEncoder(config, load_file(str(dst / "vision" / WEIGHTS_NAME)), "test", device="cpu")
     for i, (w, h) in enumerate(SIZES[:4]):
-        image = _random_image(w, h, seed=10 + i)
+        image = helpers.random_image(w, h, seed=10 + i)
         pixels = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
         with torch.no_grad():
             want = model.get_image_features(pixel_values=pixels, vision_feature_layer=layer,
@@ -98,7 +95,7 @@ def test_encoder_equals_hf_image_features(llama_vlm, layer, strategy):
         got = variant(image)
         assert got.shape == want.shape == (16 + (strategy == "full"), 64)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    other = variant(_random_image(32, 32, seed=99))
+    other = variant(helpers.random_image(32, 32, seed=99))
     assert not torch.allclose(other, got, atol=1e-3), "the features must change with the image"
 
 
@@ -120,7 +117,7 @@ def test_prompt_ids_equal_the_processor_ids(llama_vlm):
     spec = ModelSpec(64, torch.float32, len(tok), 1024, tok)
     two = QUESTION[:1] + [{"role": "assistant", "content": "red"},
                           {"role": "user", "content": [{"type": "text", "text": "and here"}, {"type": "image"}]}]
-    for messages, images in ((QUESTION, [synthetic_scene()]), (two, [synthetic_scene(), _random_image(50, 37)])):
+    for messages, images in ((QUESTION, [synthetic_scene()]), (two, [synthetic_scene(), helpers.random_image(50, 37)])):
         text = render_chat(dst / "vision", messages)
         sent = sgl_embeds.compile_program(ask, vision_encoder=encoder, text=text, images=images)[0]
         ids, overrides = build_ids(sent, spec)
@@ -223,9 +220,9 @@ class CountingEncoder:
 def test_encoder_cache_runs_the_tower_once_per_image_and_region():
     cache, enc = EncoderCache(), CountingEncoder(GridEncoder())
     scene = synthetic_scene()
-    first = cache.encode(enc, scene)
+    first = cache.encode(enc, scene).rows
     for _ in range(9):
-        assert torch.equal(cache.encode(enc, scene.copy()), first)  # same content, another object
+        assert torch.equal(cache.encode(enc, scene.copy()).rows, first)  # same content, new object
     assert (enc.calls, cache.hits, cache.misses) == (1, 9, 1)
     mask = np.zeros((64, 96), dtype=bool)
     mask[8:32, 8:32] = True
@@ -234,7 +231,7 @@ def test_encoder_cache_runs_the_tower_once_per_image_and_region():
         cache.encode(enc, scene, region)
     assert enc.calls == 4 and cache.misses == 4  # one per distinct region
     other = CountingEncoder(GridEncoder(scale=0.5))
-    assert not torch.equal(cache.encode(other, scene), first) and other.calls == 1
+    assert not torch.equal(cache.encode(other, scene).rows, first) and other.calls == 1
     small = EncoderCache(max_bytes=first.numel() * 4)
     small.encode(enc, scene)
     small.encode(enc, scene, (8, 8, 32, 32))

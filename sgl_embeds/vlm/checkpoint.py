@@ -54,7 +54,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     arch = _causal_lm_architecture(config.text_config)
     log(f"[split] {src}: LLaVA with a CLIP tower and a {arch} language model")
 
-    weights = _weight_index(src)
+    weights = weight_index(src)
     llm_keys, tower_keys, projector_keys = _partition(weights)
     vision = _vision_config(src, config, projector_keys)
     log(f"[split] {len(llm_keys)} language-model tensors, {len(tower_keys)} tower, "
@@ -63,7 +63,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     llm_dir, vision_dir = dst / "llm", dst / "vision"
     for d in (llm_dir, vision_dir):
         d.mkdir(parents=True, exist_ok=True)
-    tensors = _Tensors(weights)
+    tensors = Tensors(weights)
     _write_llm(src, config, arch, tensors, llm_keys, llm_dir, log)
     tower = clip_to_open_clip({k: tensors[full] for k, full in tower_keys.items()}, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
@@ -107,7 +107,7 @@ def _sglang_serves(arch: str) -> bool:
     return any(needle in p.read_text(errors="replace") for p in models.glob("*.py"))
 
 
-def _weight_index(src: Path) -> dict[str, Path]:
+def weight_index(src: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
     index = src / "model.safetensors.index.json"
     if index.exists():
@@ -122,7 +122,7 @@ def _weight_index(src: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{src} has no model.safetensors or model.safetensors.index.json")
 
 
-class _Tensors:
+class Tensors:
     """Reads tensors by key, opening each safetensors file of the checkpoint once."""
 
     def __init__(self, weights: dict[str, Path]):
@@ -229,7 +229,7 @@ def _processor_chat_template(src: Path) -> str | None:
     return None
 
 
-def _write_llm(src: Path, config, arch: str, tensors: _Tensors, llm_keys: dict[str, str],
+def _write_llm(src: Path, config, arch: str, tensors: Tensors, llm_keys: dict[str, str],
                out: Path, log: Callable[[str], None]) -> None:
     text = config.text_config
     text.architectures = [arch]

@@ -60,7 +60,7 @@ class TowerGeometry:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Everything ``load_encoder`` needs besides the weights (saved as ``sgl_embeds_vision.json``)."""
+    """Everything ``load_llava_encoder`` needs but the weights (``sgl_embeds_vision.json``)."""
 
     tower: TowerGeometry
     feature_layers: tuple[int, ...]  # HF hidden-state indices, concatenated in this order
@@ -192,7 +192,7 @@ def clip_to_open_clip(hf: dict[str, torch.Tensor], layers: int) -> dict[str, tor
 
 
 class LlavaEncoder:
-    """The vision half of a split LLaVA checkpoint (see ``load_encoder``)."""
+    """The vision half of a split LLaVA checkpoint (see ``load_llava_encoder``)."""
 
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], identity: str,
                  device: str | torch.device | None = None):
@@ -243,7 +243,8 @@ class LlavaEncoder:
         return self.features(self.pixel_values(image).unsqueeze(0))[0].float().cpu()
 
 
-def load_encoder(vision_dir: str | Path, device: str | torch.device | None = None) -> LlavaEncoder:
+def load_llava_encoder(vision_dir: str | Path,
+                       device: str | torch.device | None = None) -> LlavaEncoder:
     """The ``VisionEncoder`` of ``DST/vision`` written by ``python -m sgl_embeds.vlm split``."""
     vision_dir = Path(vision_dir)
     config_path, weights_path = vision_dir / CONFIG_NAME, vision_dir / WEIGHTS_NAME

@@ -1,0 +1,161 @@
+"""The vision half of a Qwen2.5-VL checkpoint on the client: an image's rows and its grid, as HF's
+own model computes them.
+
+``QwenVLEncoder(DIR)`` (also ``load_encoder(DIR)``) reads a ``Qwen2_5_VLForConditionalGeneration``
+directory as transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``,
+``ImageRows``: the rows HF's ``get_image_features`` puts at the image's pad tokens
+(``[t*h*w / merge**2, out_hidden]``, float32 on the CPU, in HF's order) and the grid ``(t, h, w)``
+the server places them by (M-RoPE). The rows are HF's by construction, not by reimplementation:
+the pixels come from the checkpoint's own image processor (transformers' ``Qwen2VLImageProcessor``
+in either backend: resize to multiples of ``patch * merge`` within the checkpoint's min and max
+pixels, normalize, patchify), and the rows from transformers' own
+``Qwen2_5_VisionTransformerPretrainedModel`` (windowed attention, 2-D rotary positions, patch
+merger) built from the checkpoint's ``vision_config``. Only the ``visual.*`` weights are read, with
+safetensors (a ``.bin`` checkpoint is refused, never unpickled); the language model's never are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers.image_processing_backends import TorchvisionBackend
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+from sgl_embeds.vision import ImageRows, load_state
+from sgl_embeds.vlm.checkpoint import Tensors, weight_index
+from sgl_embeds.vlm.pixels import BACKENDS
+
+MODEL_TYPE = "qwen2_5_vl"
+# The vision weights: ``visual.*`` as transformers saves them, ``model.visual.*`` as the modules
+# of ``Qwen2_5_VLForConditionalGeneration`` name them.
+VISUAL_PREFIXES = ("visual.", "model.visual.")
+
+
+def model_type(path: str | Path) -> str | None:
+    """The ``model_type`` of the HF checkpoint at ``path``; None where there is no config.json."""
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.exists() else None
+
+
+class QwenVLEncoder:
+    """The vision half of a Qwen2.5-VL checkpoint directory (see the module docstring).
+
+    ``backend``: the image processor's transformers backend, ``"torchvision"`` or ``"pil"``
+    (default: what ``AutoImageProcessor.from_pretrained(DIR)`` picks); ``dtype``: what the tower
+    computes in (the rows come back float32 either way); ``device``: cuda when available.
+    """
+
+    def __init__(self, checkpoint: str | Path, backend: str | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
+        checkpoint = Path(checkpoint)
+        found = model_type(checkpoint)
+        if found != MODEL_TYPE:
+            raise ValueError(f"{checkpoint}/config.json: model_type is {found!r}, not "
+                             f"{MODEL_TYPE!r} (Qwen2_5_VLForConditionalGeneration)")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        config = AutoConfig.from_pretrained(checkpoint)
+        self.processor = AutoImageProcessor.from_pretrained(
+            checkpoint, **({} if backend is None else {"backend": backend}))
+        self.backend = "torchvision" if isinstance(self.processor, TorchvisionBackend) else "pil"
+        _check_processor(self.processor, config.vision_config)
+        self.merge_size: int = config.vision_config.spatial_merge_size
+
+        ids = [config.vision_start_token_id, config.vision_end_token_id, config.image_token_id]
+        tokens = AutoTokenizer.from_pretrained(checkpoint).convert_ids_to_tokens(ids)
+        if None in tokens:
+            raise ValueError(f"{checkpoint}: the tokenizer has no token for the config's vision "
+                             f"start, vision end and image token ids {ids}")
+        # what a prompt writes around the span, and the pad the chat template puts between them
+        self.vision_start, self.vision_end, self.image_token = tokens
+
+        weights = visual_weights(checkpoint)
+        self.dtype = dtype
+        self.tower = Qwen2_5_VisionTransformerPretrainedModel(config.vision_config).to(dtype)
+        load_state(self.tower, weights, f"{checkpoint}: vision weights")
+        settings = {"vision_config": config.vision_config.to_dict(),
+                    "processor": self.processor.to_dict(), "backend": self.backend,
+                    "dtype": str(dtype)}
+        self.identity = _identity(settings, weights)  # for encoder-output caches
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tower.to(self.device).eval()
+
+    @property
+    def mean_color(self) -> tuple[int, int, int]:
+        """The RGB colour that normalizes to (nearly) zero: what masked-out pixels become."""
+        return tuple(int(round(m * 255)) for m in self.processor.image_mean)
+
+    def rows_for(self, width: int, height: int) -> int:
+        """How many rows (pad tokens in HF's prompt) an image of this size becomes."""
+        return self.processor.get_number_of_image_patches(height, width) // self.merge_size**2
+
+    def pixel_values(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """``([patches, channels * temporal_patch * patch**2], (t, h, w))``: what the checkpoint's
+        image processor gives for ``image``."""
+        out = self.processor(images=[image], return_tensors="pt")
+        (grid,) = out["image_grid_thw"].tolist()
+        return out["pixel_values"], tuple(grid)
+
+    @torch.no_grad()
+    def features(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """``[t*h*w / merge**2, out_hidden]`` float32 CPU rows of one image's patches."""
+        grid_thw = torch.tensor([grid], device=self.device)
+        out = self.tower(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw)
+        return out.pooler_output.float().cpu()
+
+    def __call__(self, image: Image.Image) -> ImageRows:
+        pixel_values, grid = self.pixel_values(image)
+        return ImageRows(self.features(pixel_values, grid), grid)
+
+
+def _check_processor(processor: object, vision_config: Qwen2_5_VLVisionConfig) -> None:
+    """The image processor is a Qwen2-VL one that patchifies as the tower expects."""
+    if not isinstance(processor, (Qwen2VLImageProcessor, Qwen2VLImageProcessorPil)):
+        raise ValueError(f"the image processor is a {type(processor).__name__}, not a "
+                         "Qwen2VLImageProcessor")
+    if not processor.do_resize:
+        raise ValueError("image processor do_resize=False is not supported: images must be "
+                         "resized to multiples of patch_size * merge_size")
+    pairs = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+             ("merge_size", "spatial_merge_size"))
+    for ours, theirs in pairs:
+        if getattr(processor, ours) != getattr(vision_config, theirs):
+            raise ValueError(f"image processor {ours}={getattr(processor, ours)} differs from "
+                             f"vision_config.{theirs}={getattr(vision_config, theirs)}")
+
+
+def visual_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's vision weights under the vision module's names (prefix removed)."""
+    index = weight_index(checkpoint)
+    tensors = Tensors(index)
+    weights: dict[str, torch.Tensor] = {}
+    for key in index:
+        prefix = next((p for p in VISUAL_PREFIXES if key.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = key[len(prefix):]
+        if name in weights:
+            raise ValueError(f"{checkpoint}: vision weight {name!r} is there under both "
+                             f"{VISUAL_PREFIXES}")
+        weights[name] = tensors[key]
+    return weights
+
+
+def _identity(settings: dict, weights: dict[str, torch.Tensor]) -> str:
+    """A name for these settings and weights: equal encoders share encoder-cache entries."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name in sorted(weights):
+        t = weights[name]
+        digest.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return f"{MODEL_TYPE}-{digest.hexdigest()[:16]}"
