@@ -25,10 +25,11 @@ def test_notebook_is_committed_without_outputs(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, servers, monkeypatch, tmp_path):
-    llama, vlm, demo = servers.get("llama", "llava_llama", "demo")
+    llama, vlm, demo, qwen_vl = servers.get("llama", "llava_llama", "demo", "qwen_vl_spans")
     monkeypatch.setenv("SGL_EMBEDS_URL", llama.url)  # mechanics: the tiny Llama
     monkeypatch.setenv("SGL_EMBEDS_VLM_URL", vlm.url)  # the tiny LLaVA's split LLM
     monkeypatch.setenv("SGL_EMBEDS_DEMO_URL", demo.url)  # meaning: SmolLM2-135M-Instruct
+    monkeypatch.setenv("SGL_EMBEDS_QWEN_VL_URL", qwen_vl.url)  # the tiny Qwen2.5-VL, NaN tower
     monkeypatch.setenv("MPLBACKEND", "Agg")
     book = nbformat.read(path, as_version=4)
     NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
