@@ -54,6 +54,36 @@ def tiny_qwen2_5_vl_dir() -> Path:
     of tests/test_qwen_vl_native.py gave varied answers with the same first token; with the LM
     scaled alone, one answer fell into a two-token loop).
     """
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return _qwen2_5_vl_dir(f"tiny-qwen2_5_vl-{QWEN_VL_CACHE_VERSION}", text, vision,
+                           (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
+
+
+def bench_qwen2_5_vl_dir() -> Path:
+    """A random-weight Qwen2.5-VL big enough that prefill and the vision tower take visible time
+    on a CPU (for ``benchmarks/bench_native_vlm.py``): LM hidden 1024, 8 layers, 16 heads (4 KV);
+    tower hidden 512, depth 8, 8 heads; up to 256 rows per image (a 448x448 image)."""
+    text = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, max_position_embeddings=8192)
+    vision = dict(depth=8, hidden_size=512, intermediate_size=1376, num_heads=8, out_hidden_size=1024)
+    return _qwen2_5_vl_dir(f"bench-qwen2_5_vl-{QWEN_VL_CACHE_VERSION}", text, vision, (4, 256), (7, 1.0, 1.0))
+
+
+def _mrope_section(text_size: dict) -> list[int]:
+    """Rotary pairs per axis (time, height, width) over the head's half: [2, 3, 3] at head dim 16,
+    Qwen2.5-VL's own [16, 24, 24] at 128."""
+    half = text_size["hidden_size"] // text_size["num_attention_heads"] // 2
+    time_pairs = half // 4
+    return [time_pairs, (half - time_pairs) // 2, (half - time_pairs) // 2]
+
+
+def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
+                    init: tuple[int, float, float]) -> Path:
+    """A random ``Qwen2_5_VLForConditionalGeneration`` of the given sizes, with our tokenizer
+    (vision specials included), the processor (images of ``image_tokens`` rows, min to max) and
+    the chat template; ``init``: seed, language-model and merger weight scales."""
 
     def build(tmp: Path) -> None:
         from transformers import (
@@ -67,17 +97,15 @@ def tiny_qwen2_5_vl_dir() -> Path:
         tok = train_tokenizer(tmp, extra_specials=VISION_SPECIALS)
         ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_SPECIALS}
         text = dict(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            vocab_size=len(tok), **text_size,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
             # theta 10, not 10^4: over a few patches even the slowest rotary frequencies (those
             # of the width axis) turn, so an image's 3-D positions change the answer (a wrong grid
             # or 1-D positions must fail the parity tests)
-            rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]},
+            rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)},
         )
         vision = dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH,
+            **vision_size, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH,
             window_size=2 * FACTOR, fullatt_block_indexes=[1], tokens_per_second=2,
         )
         config = Qwen2_5_VLConfig(
@@ -86,7 +114,7 @@ def tiny_qwen2_5_vl_dir() -> Path:
             vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )
-        seed, lm_scale, merger_scale = _INIT
+        seed, lm_scale, merger_scale = init
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
         with torch.no_grad():
@@ -100,7 +128,8 @@ def tiny_qwen2_5_vl_dir() -> Path:
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
-        pixels = dict(min_pixels=MIN_IMAGE_TOKENS * FACTOR**2, max_pixels=MAX_IMAGE_TOKENS * FACTOR**2,
+        min_tokens, max_tokens = image_tokens
+        pixels = dict(min_pixels=min_tokens * FACTOR**2, max_pixels=max_tokens * FACTOR**2,
                       patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         processor = Qwen2_5_VLProcessor(
             image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
@@ -111,7 +140,7 @@ def tiny_qwen2_5_vl_dir() -> Path:
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json
         processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
 
-    return _build_atomically(cache_dir() / f"tiny-qwen2_5_vl-{QWEN_VL_CACHE_VERSION}", build)
+    return _build_atomically(cache_dir() / name, build)
 
 
 # -- HF Qwen2.5-VL as the reference (float32, greedy) -----------------------------------------
