@@ -115,11 +115,11 @@ def pieces(rows: torch.Tensor) -> dict[str, float]:
     decoded = wire.decode_tensor(encoded)
     return {
         "client: wire.encode_tensor (base64)": ms(lambda: wire.encode_tensor(rows)),
-        "client: keys.span_handle (SHA-256, first send only)": ms(lambda: keys.span_handle(rows)),
+        "client: keys.span_handle (BLAKE3 row digests, first send only)": ms(lambda: keys.span_handle(rows)),
         "client: KeptSpans key (xxh3, every send)": ms(lambda: KeptSpans.key(rows)),
         "server: parse body JSON": ms(lambda: orjson.loads(body)),
         "server: wire.decode_tensor (base64 + checks)": ms(lambda: wire.decode_tensor(encoded)),
-        "server: placeholder ids (blake2b per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),
+        "server: placeholder ids (BLAKE3 per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),
         "server: rows to the scheduler, pickle + unpickle (once per kept span)": ms(
             lambda: pickle.loads(pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL))),
     }

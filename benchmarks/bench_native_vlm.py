@@ -25,8 +25,8 @@ A second table times the server-side hashing that gives each image its cache ide
 request, at 1, 4 and 16 images of 256 rows, by calling in this process the code the server runs:
 stock's ``resolve_multimodal_item_hash`` on a precomputed item (one item holds all of a request's
 images: SGLang takes one precomputed item per modality), and our ``prompts.build_ids`` with the
-spans inline (one SHA-256 per span, its content key) or by handle (the handle is the key: no
-hashing at all, counted).
+spans inline (one content key per span: BLAKE3 per row, the handle from the digests) or by
+handle (the handle is the key: no hashing at all, counted).
 
     python benchmarks/bench_native_vlm.py [--rounds 8] [--engine-child]
 """

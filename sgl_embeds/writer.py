@@ -36,8 +36,8 @@ class KeptSpan:
 class KeptSpans(LRU[KeptSpan]):
     """The spans this client has sent one server (or gateway) with ``keep_spans``, by content, at
     most ``max_entries`` (the least recently used dropped first). A lookup hashes the rows with
-    xxh3 (about 0.5 ms for 4096 rows of 576 floats); the handle (SHA-256) is computed once, on
-    the first send."""
+    xxh3 (about 0.5 ms for 4096 rows of 576 floats); the handle (``keys.span_handle``) is
+    computed once, on the first send."""
 
     def __init__(self, max_entries: int = 1 << 16) -> None:
         super().__init__(max_entries)

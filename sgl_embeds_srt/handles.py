@@ -3,14 +3,16 @@
 ``{"embeds": <tensor>}`` is validated (as a span of the served model) and kept in a store bounded
 in bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU eviction); the answer is ``{"handle": "span-<hash>",
 ...}``. Any place that takes a tensor then also takes ``{"handle": "span-..."}``. Handles are
-content hashes (SHA-256 of dtype, shape and bytes): uploading the same rows twice gives the same
-handle, and a handle cannot be guessed without the rows. ``DELETE /sgl_embeds/spans/<handle>``
-drops one. A request may also keep the spans it sends inline (``"keep_spans": true``, see
-``parse.py``): behind a gateway, which has no upload route, that is how a worker learns a span.
-A request that names a handle this server does not hold gets ``UnknownSpanHandle`` (HTTP 400,
-``"type": keys.UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span
-inline. The store lives in the HTTP process, shared by every client of the server (see
-docs/reliability.md for the tenancy model); the ``Engine`` API takes tensors directly instead.
+content hashes (``keys.span_handle``: BLAKE3 of dtype, shape and the rows' digests): uploading the
+same rows twice gives the same handle, and a handle cannot be guessed without the rows. The store
+keeps each span's row digests beside its rows: sent in the model's dtype, its rows are hashed once,
+for its handle and its placeholder ids together. ``DELETE /sgl_embeds/spans/<handle>`` drops one. A
+request may also keep the spans it sends inline (``"keep_spans": true``, see ``parse.py``): behind
+a gateway, which has no upload route, that is how a worker learns a span. A request that names a
+handle this server does not hold gets ``UnknownSpanHandle`` (HTTP 400, ``"type":
+keys.UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span inline. The store
+lives in the HTTP process, shared by every client of the server (see docs/reliability.md for the
+tenancy model); the ``Engine`` API takes tensors directly instead.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Any
 
 import torch
 
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import span_handle
+from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_srt.segments import Embeds
 
 PATH = "/sgl_embeds/spans"
 
@@ -40,29 +42,39 @@ class UnknownSpanHandle(wire.WireError):
                          "deleted, or evicted; send the span's rows instead")
 
 
+def _weight(span: Embeds) -> int:
+    return nbytes(span.tensor) + len(span.row_digests or b"")
+
+
 class SpanStore:
-    """Uploaded spans by handle, least recently used evicted first, at most ``budget`` bytes."""
+    """Kept spans by handle (each an ``Embeds`` with its rows, handle and row digests), least
+    recently used evicted first, at most ``budget`` bytes (rows and digests)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._lru: LRU[torch.Tensor] = LRU(budget, nbytes)
+        self._lru: LRU[Embeds] = LRU(budget, _weight)
 
-    def put(self, t: torch.Tensor) -> str:
+    def put(self, t: torch.Tensor) -> Embeds:
+        """Keep the rows ``t`` (a copy: ``t`` may view a whole request body); the span as kept.
+        The same rows again give the same handle and refresh the kept span."""
         t = t.detach().contiguous()
-        size = nbytes(t)
+        size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:
             raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of "
                              f"{self.budget} bytes")
-        handle = span_handle(t)
-        if self._lru.get(handle) is None:  # same rows, same handle: the stored copy is refreshed
-            self._lru.put(handle, t.clone())
-        return handle
+        digests = keys.row_digests(t)
+        handle = keys.span_handle(t, digests)
+        kept = self._lru.get(handle)
+        if kept is None:
+            kept = Embeds(t.clone(), handle, row_digests=digests)
+            self._lru.put(handle, kept)
+        return kept
 
-    def get(self, handle: Any) -> torch.Tensor:
-        t = self._lru.get(handle) if isinstance(handle, str) else None
-        if t is None:
+    def get(self, handle: Any) -> Embeds:
+        kept = self._lru.get(handle) if isinstance(handle, str) else None
+        if kept is None:
             raise UnknownSpanHandle(handle)
-        return t
+        return kept
 
     def delete(self, handle: str) -> bool:
         return self._lru.pop(handle) is not None
@@ -77,6 +89,6 @@ def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:
         raise ValueError('upload a span as {"embeds": <tensor>}')
     t = wire.decode_tensor(body["embeds"], store.budget)  # checks shape and values
     wire.check_shape(t, hidden_size)
-    handle = store.put(t)
+    handle = store.put(t).handle
     return {"handle": handle, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size()}

@@ -12,6 +12,7 @@ dropped. Shapes are checked against the model later, in ``prompts.build_ids``. E
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -52,9 +53,9 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None,
             raise wire.WireError("span handles are accepted only by the HTTP server")
         if len(obj) != 1:
             raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
-        return Embeds(store.get(obj["handle"]), obj["handle"])
+        return dataclasses.replace(store.get(obj["handle"]))  # a copy: the parser sets its grid
     t = wire.decode_tensor(obj, max_bytes)
-    return Embeds(t, store.put(t) if keep else None)
+    return dataclasses.replace(store.put(t)) if keep else Embeds(t)
 
 
 def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:

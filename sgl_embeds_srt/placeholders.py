@@ -1,17 +1,20 @@
 """Placeholder ids: how a span row stands in the engine's token-id sequence.
 
-Every span row gets a 62-bit content hash of its bytes as the model sees them (after conversion
-to the model's dtype), offset to lie in ``[2**62, 2**63)``. Real token ids are far below that, so
-the radix cache tells rows apart, matches identical rows, and never confuses a row with a token.
-The ids of a span the server keeps by handle are computed once and remembered.
+Every span row gets a 62-bit content key of its bytes as the model sees them (after conversion
+to the model's dtype): the first 8 bytes (little-endian) of its row digest (``keys.row_digests``,
+keyed BLAKE3), low 62 bits, offset to lie in ``[2**62, 2**63)``. Real token ids are far below
+that, so the radix cache tells rows apart, matches identical rows, and never confuses a row with
+a token. The ids of a span the server keeps by handle are computed once and remembered; a kept
+span sent in the model's dtype brings its row digests (``handles.SpanStore``), so its rows are
+hashed once, for its handle and its ids together.
 """
 
 from __future__ import annotations
 
-import hashlib
-
+import numpy as np
 import torch
 
+from sgl_embeds_srt.keys import ROW_DIGEST_BYTES, row_digests
 from sgl_embeds_srt.lru import LRU, nbytes
 
 PLACEHOLDER_BASE = 1 << 62
@@ -21,25 +24,21 @@ def is_placeholder(token_id: int) -> bool:
     return token_id >= PLACEHOLDER_BASE
 
 
-def row_hash(row_bytes: bytes) -> int:
-    """A 62-bit content hash of one row, as a placeholder id in [2**62, 2**63)."""
-    digest = hashlib.blake2b(row_bytes, digest_size=8, person=b"sgl_embeds").digest()
-    return PLACEHOLDER_BASE | (int.from_bytes(digest, "little") & (PLACEHOLDER_BASE - 1))
-
-
-def placeholder_ids(rows: torch.Tensor, handle: str | None = None) -> list[int]:
+def placeholder_ids(rows: torch.Tensor, handle: str | None = None,
+                    digests: bytes | None = None) -> list[int]:
     """Placeholder ids of a span's rows; ``rows`` must already be in the model's dtype.
-    ``handle``: the span's handle when the server keeps it (the ids are then remembered)."""
+    ``handle``: the span's handle when the server keeps it (the ids are then remembered).
+    ``digests``: ``keys.row_digests(rows)`` when the caller has them."""
     if handle is not None:
         kept = _KEPT.get(handle)
         if kept is not None and kept.shape[0] == rows.shape[0]:
             return kept.tolist()
-    flat = rows.detach().to("cpu").contiguous()
-    raw = flat.view(torch.uint8).reshape(flat.shape[0], -1).numpy()
-    ids = [row_hash(r.tobytes()) for r in raw]
+    first_words = np.frombuffer(row_digests(rows) if digests is None else digests, dtype="<u8")
+    ids = first_words[:: ROW_DIGEST_BYTES // 8] & np.uint64(PLACEHOLDER_BASE - 1)
+    ids |= np.uint64(PLACEHOLDER_BASE)
     if handle is not None:
-        _KEPT.put(handle, torch.tensor(ids, dtype=torch.int64))
-    return ids
+        _KEPT.put(handle, torch.from_numpy(ids.astype(np.int64)))
+    return ids.tolist()
 
 
 # A server has one model dtype, so a handle's rows always become the same ids.

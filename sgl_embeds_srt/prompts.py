@@ -80,7 +80,9 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                              f"segment {i}: ")
             positions.extend(range(len(ids), len(ids) + t.shape[0]))
             if spec.vision is None:
-                ids.extend(placeholder_ids(t, s.handle))
+                # a kept span's row digests are of its rows as sent: they serve if not cast
+                digests = s.row_digests if t.dtype == s.tensor.dtype else None
+                ids.extend(placeholder_ids(t, s.handle, digests))
             else:  # the span's content key: its handle, or computed once here
                 key = s.handle or span_handle(s.tensor)
                 images.append(ImageSpan(key, s.image_grid_thw, len(ids), t.shape[0]))

@@ -6,6 +6,9 @@ Two encodings of an ``[n, hidden]`` tensor are accepted:
 * a binary object ``{"data": <base64 of raw little-endian bytes>, "dtype": "float32" |
   "float16" | "bfloat16", "shape": [n, hidden]}``.
 
+A third, the binary request body (``binary_body.py``), carries the raw bytes beside the JSON;
+its spans reach ``decode_tensor`` as tensors viewing the body and are checked as these are.
+
 Decoding never unpickles and never calls ``torch.load``: bytes become a tensor only through
 ``torch.frombuffer`` with a dtype from a fixed table. Every size is checked against a byte budget
 *before* anything is allocated, so a tiny payload that declares a huge shape costs nothing.
@@ -107,7 +110,8 @@ def is_tensor_batch(x: Any) -> bool:
 
 def decode_tensor(obj: Any, max_bytes: int = MAX_SPAN_BYTES) -> torch.Tensor:
     """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):  # in-process callers (Engine), never JSON
+    # in-process callers (Engine) and binary bodies (binary_body.py: views of the body)
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
         t = as_2d_tensor(obj)
         if t.numel() * 4 > max_bytes:
             raise WireError(f"embeddings of shape {list(t.shape)} exceed the size limit of {max_bytes} bytes")
@@ -131,21 +135,8 @@ def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
     if obj.get("encoding", "base64") != "base64":
         raise WireError(f"unknown encoding {obj.get('encoding')!r}: only 'base64' is supported")
     name = obj.get("dtype")
-    if not isinstance(name, str) or name not in DTYPES:
-        raise WireError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
-    shape = obj.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) not in (1, 2)
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise WireError(f"shape must be [n, hidden] or [hidden] of non-negative ints, got {shape!r}")
-    if len(shape) == 1:
-        shape = [1, shape[0]]
-    itemsize = torch.empty((), dtype=DTYPES[name]).element_size()
-    nbytes = math.prod(shape) * itemsize
-    if math.prod(shape) * 4 > max_bytes:
-        raise WireError(f"embeddings of shape {shape} exceed the size limit of {max_bytes} bytes")
+    shape, nbytes = declared_size(name, obj.get("shape"), max_bytes)
+    itemsize = DTYPES[name].itemsize
     data = obj.get("data")
     if not isinstance(data, str):
         raise WireError("binary embeddings need 'data' as a base64 string")
@@ -169,6 +160,25 @@ def decode_binary(obj: dict, max_bytes: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(raw, dtype=DTYPES[name]).reshape(shape)
+
+
+def declared_size(name: Any, shape: Any, max_bytes: int) -> tuple[list[int], int]:
+    """A binary tensor's declared dtype name and shape, checked (shape ``[n, hidden]`` or
+    ``[hidden]``, the float32 size within ``max_bytes``) before anything is read or allocated:
+    the shape as ``[n, hidden]`` and its size in bytes."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise WireError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) not in (1, 2)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"shape must be [n, hidden] or [hidden] of non-negative ints, got {shape!r}")
+    if len(shape) == 1:
+        shape = [1, shape[0]]
+    if math.prod(shape) * 4 > max_bytes:
+        raise WireError(f"embeddings of shape {shape} exceed the size limit of {max_bytes} bytes")
+    return shape, math.prod(shape) * DTYPES[name].itemsize
 
 
 def decode_json_lists(obj: list, max_bytes: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
 from sgl_embeds.testing.qwen_vl import poisoned_vision_dir, tiny_qwen2_5_vl_dir
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
@@ -49,20 +50,26 @@ def qwen_vl_dir():
     return tiny_qwen2_5_vl_dir()
 
 
+# The tiny LLaVA-style checkpoints by name: LLaVA-1.5 by its language model, then the families
+LLAVA_CHECKPOINTS = {"llama": lambda: tiny_llava_dir("llama"), "qwen2": lambda: tiny_llava_dir("qwen2"),
+                     "llava_next": tiny_llava_next_dir, "llava_onevision": tiny_llava_onevision_dir}
+
+
 @pytest.fixture(scope="session")
 def llava_dirs(tmp_path_factory):
-    """``llava_dirs(arch)``: (checkpoint dir, split dir) of the tiny LLaVA whose language model is
-    ``arch``, split on first use."""
+    """``llava_dirs(name)``: (checkpoint dir, split dir) of the tiny LLaVA ``name`` of
+    ``LLAVA_CHECKPOINTS`` (LLaVA-1.5 with the ``"llama"`` or ``"qwen2"`` language model,
+    ``"llava_next"``, ``"llava_onevision"``), split on first use."""
     from sgl_embeds.vlm import split
 
     made = {}
 
-    def dirs(arch: str):
-        if arch not in made:
-            src, dst = tiny_llava_dir(arch), tmp_path_factory.mktemp(f"llava-{arch}-split")
+    def dirs(name: str):
+        if name not in made:
+            src, dst = LLAVA_CHECKPOINTS[name](), tmp_path_factory.mktemp(f"llava-{name}-split")
             split(src, dst, log=lambda message: None)
-            made[arch] = (src, dst)
-        return made[arch]
+            made[name] = (src, dst)
+        return made[name]
 
     return dirs
 
@@ -81,6 +88,10 @@ def servers(llava_dirs):
         "demo": lambda: Server(demo_model_dir()),
         "llava_llama": lambda: Server(llava_dirs("llama")[1] / "llm", extra_args=["--enable-cache-report"]),
         "llava_qwen": lambda: Server(llava_dirs("qwen2")[1] / "llm", extra_args=["--enable-cache-report"]),
+        # the split LLMs of the any-resolution families (Llama and Qwen2 language models)
+        "llava_next": lambda: Server(llava_dirs("llava_next")[1] / "llm", extra_args=["--enable-cache-report"]),
+        "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[1] / "llm",
+                                          extra_args=["--enable-cache-report"]),
         "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=QWEN_VL_ARGS),
@@ -106,8 +117,9 @@ def _pooled(name: str):
 
 
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
- qwen_vl_server, qwen_vl_spans_server) = map(
-    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "qwen_vl", "qwen_vl_spans"])
+ llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server) = map(
+    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next",
+              "llava_onevision", "qwen_vl", "qwen_vl_spans"])
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,10 @@ def main(model_dir: str) -> dict:
     try:
         segments = [{"type": "text", "text": "the small dog"}, {"type": "embeds", "embeds": rows(11, 7)}, {"type": "text", "text": " is"}]
         sp = {"temperature": 0, "max_new_tokens": 10}
-        first = eng.generate(input_segments=segments, sampling_params=sp)
+        first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
         again = eng.generate(input_segments=segments, sampling_params=sp)
-        out["segments"] = {"ids": first["output_ids"], "again_ids": again["output_ids"],
+        numbers = {k: first["meta_info"][k] for k in ("output_token_logprobs", "output_top_logprobs")}
+        out["segments"] = {"ids": first["output_ids"], "again_ids": again["output_ids"], "meta_info": numbers,
                            "cached": again["meta_info"]["cached_tokens"], "prompt": again["meta_info"]["prompt_tokens"]}
         sp6 = {"temperature": 0, "max_new_tokens": 6}
         batch = eng.generate(input_embeds=[rows(1, 6), rows(2, 6)], sampling_params=sp6)

@@ -13,6 +13,11 @@ from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.server import Server
 
 GREEDY = {"temperature": 0.0}
+# what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
+# output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
+# (SGLang then recomputes the whole prompt: no prefix-cache hit)
+OUTPUT_LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3}
+LOGPROBS = {**OUTPUT_LOGPROBS, "logprob_start_len": 0}
 
 
 def seeded_rows(seed: int, n: int, hidden: int = 64, scale: float = 0.05) -> torch.Tensor:
@@ -23,6 +28,15 @@ def seeded_rows(seed: int, n: int, hidden: int = 64, scale: float = 0.05) -> tor
 def random_image(w: int, h: int, seed: int = 0) -> Image.Image:
     """An RGB image of uniform noise: every pixel a resize or crop gets wrong shows."""
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def chat_as_generate(response: dict) -> dict:
+    """A chat completion sent with ``logprobs`` and ``return_token_ids`` in the shape of a
+    ``/generate`` response (ids and output logprobs), for ``ref.assert_matches_hf``."""
+    choice = response["choices"][0]
+    logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
+    return {"output_ids": choice["response_token_ids"],
+            "meta_info": {"output_token_logprobs": [(lp, None, None) for lp in logprobs]}}
 
 
 def text(t: str) -> dict:
@@ -77,6 +91,16 @@ def hf_select_scores(model_dir, parts: list, suffix: str, choices: list[str]) ->
         lps = [logp[p - 1, t].item() for p, t in zip(range(n_pre, full.shape[0]), tail)]
         scores.append(sum(lps) / len(lps))
     return scores
+
+
+def assert_select_scores(state, name: str, hf_scores: list[float], context: str = "") -> list[float]:
+    """A program's ``select`` by its numbers: each choice's normalized logprob equals HF's within
+    ``ref.LOGPROB_TOL``, and the choice made is HF's best. Returns our scores."""
+    ours = state.get_meta_info(name)["normalized_prompt_logprobs"]
+    worst = max(abs(a - b) for a, b in zip(ours, hf_scores))
+    assert len(ours) == len(hf_scores) and worst <= ref.LOGPROB_TOL, f"{context}select scores {ours} vs HF {hf_scores}"
+    assert ours.index(max(ours)) == hf_scores.index(max(hf_scores)), f"{context}{ours} vs {hf_scores}"
+    return ours
 
 
 def start_multi_tokenizer(model_dir, extra_args: list[str], workers: int = 2):

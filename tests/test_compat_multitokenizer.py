@@ -72,5 +72,7 @@ def test_a_kept_span_crosses_once_per_worker_to_the_one_scheduler(multi_tokenize
     after = {pid: info["rows_to_scheduler"] for pid, info in _info_by_worker(url).items()}
     sent = {pid: after[pid]["rows_sent"] - before[pid]["rows_sent"] for pid in after}
     left_out = sum(after[pid]["rows_left_out"] - before[pid]["rows_left_out"] for pid in after)
+    handled = {pid: sent[pid] + after[pid]["rows_left_out"] - before[pid]["rows_left_out"] for pid in after}
+    assert all(rows > 0 for rows in handled.values()), f"both workers must have served span requests: {handled}"
     assert set(sent.values()) <= {0, 12} and sum(sent.values()) >= 12  # once per worker that kept it
     assert left_out == 12 * (len(kept) + len(served)) - sum(sent.values())

@@ -57,14 +57,14 @@ def test_api_key_covers_span_generate_info_handles_and_openai_routes(deployments
 def test_plugin_is_active_in_every_data_parallel_scheduler(deployments, llama_dir):
     dp_server = deployments["keyed_dp"]
     parts = ["the quick fox", seeded_rows(77, 9), " is"]
-    from helpers import reference_embeds, to_segments, with_other_spans
+    from helpers import OUTPUT_LOGPROBS, reference_embeds, to_segments, with_other_spans
 
-    outs = [requests.post(dp_server.url + "/generate", json=body(to_segments(parts), 8), headers=AUTH, timeout=120).json()
-            for _ in range(6)]
+    outs = [requests.post(dp_server.url + "/generate", json=body(to_segments(parts), 8, **OUTPUT_LOGPROBS), headers=AUTH,
+                          timeout=120).json() for _ in range(6)]
     ranks = {o["meta_info"].get("dp_rank") for o in outs}
     assert ranks == {0, 1}, ranks  # both schedulers served span prompts
     for o in outs:
-        ref.assert_matches_hf(o["output_ids"], llama_dir, reference_embeds(llama_dir, parts), 8, f"dp rank {o['meta_info']['dp_rank']}: ",
+        ref.assert_matches_hf(o, llama_dir, reference_embeds(llama_dir, parts), 8, f"dp rank {o['meta_info']['dp_rank']}: ",
                               other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     for rank in (0, 1):  # and each one's radix cache matched the span on its repeats
         cached = [o["meta_info"]["cached_tokens"] for o in outs if o["meta_info"]["dp_rank"] == rank]
@@ -74,7 +74,8 @@ def test_plugin_is_active_in_every_data_parallel_scheduler(deployments, llama_di
 def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(deployments, llama_dir):
     bf16_server = deployments["bf16"]
     x = seeded_rows(8, 12)
-    payload = {"input_embeds": wire.encode_tensor(x, "base64", "float32"), "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    payload = {"input_embeds": wire.encode_tensor(x, "base64", "float32"), "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+               "return_logprob": True}
     first = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()
     again = requests.post(bf16_server.url + "/generate", json=payload, timeout=120).json()
     assert len(first["output_ids"]) == 6 and again["output_ids"] == first["output_ids"]
@@ -82,7 +83,7 @@ def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(depl
     # Against HF in bfloat16 too. Two bfloat16 stacks round differently (other kernels, other
     # accumulation order): a logit carries ~3 significant digits, so a top-2 gap under 0.05 is a
     # tie either side may break; that is the tolerance here, the rule otherwise the float32 one.
-    ref.assert_matches_hf(first["output_ids"], llama_dir, x, 6, "bfloat16: ", other_span_embeds=seeded_rows(9, 12),
+    ref.assert_matches_hf(first, llama_dir, x, 6, "bfloat16: ", other_span_embeds=seeded_rows(9, 12),
                           dtype=torch.bfloat16, near_tie=0.05)
     info = requests.get(bf16_server.url + "/sgl_embeds/info", timeout=30).json()
     assert info["dtype"] == "bfloat16"

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 import torch
 
-from helpers import body, generate, reference_embeds, seeded_rows, span, text
+from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text
 from sgl_embeds.testing import reference as ref
 
 A = "the red fox near the house and"
@@ -33,10 +33,10 @@ def test_prefix_hits_cover_spans_and_never_collide(llama_server, llama_dir):
     assert again["output_ids"] == first["output_ids"]
     other_tail = generate(llama_server, body([text(A), span(E), text(C)]))
     assert _cached(other_tail) == n_a + E.shape[0]  # reuses A and the span, and nothing of B
-    other_span = generate(llama_server, body([text(A), span(F), text(B)]))
+    other_span = generate(llama_server, body([text(A), span(F), text(B)], **OUTPUT_LOGPROBS))
     assert _cached(other_span) == n_a  # a different span of the same length: no hit past A
     # no false sharing: the answer for F is HF's answer for F, which differs from HF's for E
-    ref.assert_matches_hf(other_span["output_ids"], llama_dir, reference_embeds(llama_dir, [A, F, B]), 8,
+    ref.assert_matches_hf(other_span, llama_dir, reference_embeds(llama_dir, [A, F, B]), 8,
                           other_span_embeds=reference_embeds(llama_dir, [A, E, B]))
 
 
@@ -52,12 +52,17 @@ def test_shared_leading_rows_of_full_prompt_embeds_share_cache(llama_server):
     assert _cached(out) == 20
 
 
-def test_cached_and_uncached_runs_are_identical(llama_server):
-    parts = [text("a small bird"), span(seeded_rows(300, 30)), text(" on the tree")]
-    cold = generate(llama_server, body(parts, 12))
+def test_cached_and_uncached_runs_are_identical_and_equal_hf(llama_server, llama_dir):
+    rows = seeded_rows(300, 30)
+    parts = [text("a small bird"), span(rows), text(" on the tree")]
+    cold = generate(llama_server, body(parts, 12, **OUTPUT_LOGPROBS))
     assert _cached(cold) < 5
-    warm = generate(llama_server, body(parts, 12))
+    warm = generate(llama_server, body(parts, 12, **OUTPUT_LOGPROBS))
     assert _cached(warm) == warm["meta_info"]["prompt_tokens"] - 1 and warm["output_ids"] == cold["output_ids"]
+    prompt = reference_embeds(llama_dir, ["a small bird", rows, " on the tree"])
+    other = reference_embeds(llama_dir, ["a small bird", seeded_rows(301, 30), " on the tree"])
+    for out in (cold, warm):  # the cache hit's numbers too
+        ref.assert_matches_hf(out, llama_dir, prompt, 12, other_span_embeds=other)
 
 
 def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, constrained_server, llama_dir):
@@ -67,8 +72,12 @@ def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, co
     parts = [text("the quick fox"), span(seeded_rows(400, 40)), text(" is"), span(seeded_rows(401, 7)), text(" very")]
     want = generate(llama_server, body(parts, 10))["output_ids"]
     log_before = len(constrained_server.log_path.read_text())
-    got = generate(constrained_server, body(parts, 10))
+    got = generate(constrained_server, body(parts, 10, **LOGPROBS))
     assert got["output_ids"] == want
+    rows = [seeded_rows(400, 40), seeded_rows(401, 7)]
+    ref.assert_matches_hf(got, llama_dir, reference_embeds(llama_dir, ["the quick fox", rows[0], " is", rows[1], " very"]), 10,
+                          other_span_embeds=reference_embeds(llama_dir, ["the quick fox", rows[1].repeat(6, 1)[:40], " is",
+                                                                         rows[1], " very"]))
     # the scheduler logs one "Prefill batch" line per chunk, with its "#new-token" count
     log = constrained_server.log_path.read_text()[log_before:]
     chunks = [int(m) for m in re.findall(r"Prefill batch.*?#new-token: (\d+)", log)]

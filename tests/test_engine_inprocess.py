@@ -31,7 +31,7 @@ def probe(llama_dir):
 def test_engine_span_prompt_matches_hf_and_hits_the_cache(probe, llama_dir):
     res = probe["segments"]
     parts = ["the small dog", rows(11, 7), " is"]
-    ref.assert_matches_hf(res["ids"], llama_dir, reference_embeds(llama_dir, parts), 10,
+    ref.assert_matches_hf({"output_ids": res["ids"], "meta_info": res["meta_info"]}, llama_dir, reference_embeds(llama_dir, parts), 10,
                           other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     assert res["cached"] == res["prompt"] - 1 and res["again_ids"] == res["ids"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
+from helpers import LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
 from sgl_embeds.testing import reference as ref
 
 WORDS = ["the red fox", " near the blue house", " what is the color of", " describe the image", " yes"]
@@ -31,8 +31,8 @@ def test_random_spans_match_hf_generate(arch, seed, request):
     server = request.getfixturevalue(f"{'llama' if arch == 'llama' else 'qwen'}_server")
     model_dir = server.model_dir
     parts = _random_prompt(seed * 7 + (arch == "qwen2"))
-    out = generate(server, body(to_segments(parts), max_new_tokens=12))
-    ref.assert_matches_hf(out["output_ids"], model_dir, reference_embeds(model_dir, parts), 12, f"{arch} seed {seed}: ",
+    out = generate(server, body(to_segments(parts), max_new_tokens=12, **LOGPROBS))
+    ref.assert_matches_hf(out, model_dir, reference_embeds(model_dir, parts), 12, f"{arch} seed {seed}: ",
                           other_span_embeds=reference_embeds(model_dir, with_other_spans(parts)))
     assert out["meta_info"]["prompt_tokens"] == reference_embeds(model_dir, parts).shape[0]
 
@@ -59,9 +59,10 @@ def test_full_prompt_input_embeds_in_every_encoding(llama_server, llama_dir, fmt
 
     x = seeded_rows(3, 9)
     enc = wire.encode_tensor(x, fmt, dtype)
-    out = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
+    out = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 10},
+                                  **LOGPROBS})
     seen = wire.decode_tensor(enc).float()  # what the server saw after rounding to the wire dtype
-    ref.assert_matches_hf(out["output_ids"], llama_dir, seen, 10, f"{fmt} {dtype}: ", other_span_embeds=seeded_rows(99, 9))
+    ref.assert_matches_hf(out, llama_dir, seen, 10, f"{fmt} {dtype}: ", other_span_embeds=seeded_rows(99, 9))
 
 
 def test_batch_form_equals_each_prompt_alone(llama_server):

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 import sgl_embeds
-from helpers import hf_select_scores, reference_embeds, seeded_rows, with_other_spans
+from helpers import LOGPROBS, assert_select_scores, hf_select_scores, reference_embeds, seeded_rows, with_other_spans
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds_srt import segments as seg
 from sgl_embeds.testing import reference as ref
@@ -33,8 +33,8 @@ def test_program_with_two_spans_matches_hf(backend, llama_dir):
     meta = state.get_meta_info("out")
     parts = ["the red fox", a, " near the house", b, " is"]
     direct = backend.run(input_segments=[seg.Text("the red fox"), seg.Embeds(a), seg.Text(" near the house"), seg.Embeds(b), seg.Text(" is")],
-                         sampling_params={"temperature": 0, "max_new_tokens": 12})
-    want = ref.assert_matches_hf(direct["output_ids"], llama_dir, reference_embeds(llama_dir, parts), 12,
+                         sampling_params={"temperature": 0, "max_new_tokens": 12}, **LOGPROBS)
+    want = ref.assert_matches_hf(direct, llama_dir, reference_embeds(llama_dir, parts), 12,
                                  other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     assert meta["completion_tokens"] == len(want.tokens)
     assert state["out"] == direct["text"]
@@ -77,9 +77,14 @@ def test_select_with_spans_matches_hf_scoring(backend, llama_dir):
     def pick(s, x):
         s += "the image" + sgl.embeds(x) + " shows a " + sgl.select("c", choices=choices, temperature=0)
 
-    state = pick.run(x=x, backend=backend)
-    scores = hf_select_scores(llama_dir, ["the image", x], " shows a ", choices)
-    assert state["c"] == choices[max(range(3), key=lambda i: scores[i])], (state["c"], scores)
+    scores = {}
+    for name, rows in (("x", x), ("another span", seeded_rows(21, 6))):
+        state = pick.run(x=rows, backend=backend)
+        hf = hf_select_scores(llama_dir, ["the image", rows], " shows a ", choices)
+        scores[name] = assert_select_scores(state, "c", hf, f"{name}: ")
+        assert state["c"] == choices[hf.index(max(hf))], (state["c"], hf)
+    change = max(abs(a - b) for a, b in zip(scores["x"], scores["another span"]))
+    assert change > 100 * ref.LOGPROB_TOL, f"the span must change the scores: {scores}"
 
 
 def _image() -> Image.Image:
@@ -102,8 +107,8 @@ def test_region_sends_the_encoder_applied_to_the_crop(backend, llama_server, lla
 
         assert torch.equal(sent[0].tensor, enc(img)) and torch.equal(sent[2].tensor, enc(crop(img, box)))
         state = describe.run(box=box, backend=region_backend)
-        out = region_backend.run(input_segments=sent, sampling_params={"temperature": 0, "max_new_tokens": 8})
-        ref.assert_matches_hf(out["output_ids"], llama_dir, reference_embeds(llama_dir, [enc(img), " the region", enc(crop(img, box)), " is"]), 8,
+        out = region_backend.run(input_segments=sent, sampling_params={"temperature": 0, "max_new_tokens": 8}, **LOGPROBS)
+        ref.assert_matches_hf(out, llama_dir, reference_embeds(llama_dir, [enc(img), " the region", enc(crop(img, box)), " is"]), 8,
                               f"box {box}: ", other_span_embeds=reference_embeds(llama_dir, [enc(img), " the region", enc(_image().rotate(90)), " is"]))
         assert state["out"] == out["text"]
 

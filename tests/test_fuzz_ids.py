@@ -31,18 +31,25 @@ SPAN_STARTS = {
 }
 
 
-def _forms(bad, span_start: list) -> dict[str, tuple[str, dict]]:
+def _forms(bad, span_start: list) -> dict[str, tuple[str, dict, str]]:
+    """Each form: its route, its body, and where its refusal must say the bad id stands."""
     one = {"max_new_tokens": 2, "temperature": 0}
     return {
-        "generate ids": ("/generate", {"input_ids": [1, 2, bad], "sampling_params": one}),
-        "generate batch ids": ("/generate", {"input_ids": [[1, 2], [3, bad]], "sampling_params": one}),
+        "generate ids": ("/generate", {"input_ids": [1, 2, bad], "sampling_params": one}, "input_ids[2]"),
+        "generate batch ids": ("/generate", {"input_ids": [[1, 2], [3, bad]], "sampling_params": one}, "input_ids[1][1]"),
         "generate span + ids segment": ("/generate", {"input_segments": [
-            *span_start, {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}),
-        "completions ids": ("/v1/completions", {"model": "default", "prompt": [1, 2, bad], "max_tokens": 2}),
-        "completions batch ids": ("/v1/completions", {"model": "default", "prompt": [[1, 2], [bad]], "max_tokens": 2}),
+            *span_start, {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}, "segment 2: "),
+        "completions ids": ("/v1/completions", {"model": "default", "prompt": [1, 2, bad], "max_tokens": 2}, "prompt[2]"),
+        "completions batch ids": ("/v1/completions", {"model": "default", "prompt": [[1, 2], [bad]], "max_tokens": 2},
+                                  "prompt[1][0]"),
         "chat input_ids": ("/v1/chat/completions", {"model": "default", "max_tokens": 2, "input_ids": [1, bad],
-                                                    "messages": [{"role": "user", "content": "hi"}]}),
+                                                    "messages": [{"role": "user", "content": "hi"}]}, "input_ids[1]"),
     }
+
+
+def _message(r: requests.Response) -> str:
+    payload = r.json()
+    return payload.get("message") or (payload.get("error") or {}).get("message", "")
 
 
 def _alive(server) -> None:
@@ -56,17 +63,18 @@ def test_boundary_ids_get_4xx_and_never_take_the_server_down(request, server_nam
     vocab = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"]
     if server_name == "llama_server":
         assert vocab == VOCAB
-    sent = 0
+    unnamed = []  # refusals that do not say where the bad id stands
     for bad in _hostile(vocab):
-        for form, (path, body) in _forms(bad, SPAN_STARTS[server_name]).items():
+        for form, (path, body, where) in _forms(bad, SPAN_STARTS[server_name]).items():
             r = requests.post(server.url + path, json=body, timeout=60)
-            sent += 1
             assert 400 <= r.status_code < 500, (form, bad, r.status_code, r.text[:300])
+            if where not in _message(r):
+                unnamed.append((form, bad, _message(r)[:200]))
             assert server.alive(), (form, bad)
         _alive(server)
-    assert sent == len(_hostile(vocab)) * 6
+    assert not unnamed, "\n".join(map(str, unnamed))
     # the last valid id is served on every form
-    for form, (path, body) in _forms(vocab - 1, SPAN_STARTS[server_name]).items():
+    for form, (path, body, _) in _forms(vocab - 1, SPAN_STARTS[server_name]).items():
         r = requests.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 200, (form, r.text[:300])
 

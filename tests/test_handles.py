@@ -6,22 +6,24 @@ import pytest
 import requests
 import torch
 
-from helpers import body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
-from sgl_embeds_srt import wire
+from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
+from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds.testing import reference as ref
 
 
 def test_store_evicts_least_recently_used_within_its_budget():
-    store = SpanStore(budget=3 * 64 * 4)
+    span_bytes = 64 * 4 + keys.ROW_DIGEST_BYTES  # one row of float32 and its digest
+    store = SpanStore(budget=3 * span_bytes)
     a, b, c, d = (torch.full((1, 64), float(i)) for i in range(4))
-    ha, hb, hc = store.put(a), store.put(b), store.put(c)
-    assert store.put(a.clone()) == ha  # same rows, same handle (content hash); now most recent
+    ha, hb, hc = (store.put(x).handle for x in (a, b, c))
+    assert store.put(a.clone()).handle == ha  # same rows, same handle (content hash); now most recent
     store.put(d)  # evicts b, the least recently used
-    assert torch.equal(store.get(ha), a) and torch.equal(store.get(hc), c)
+    assert torch.equal(store.get(ha).tensor, a) and torch.equal(store.get(hc).tensor, c)
+    assert store.get(ha).row_digests == keys.row_digests(a) and store.get(ha).handle == ha
     with pytest.raises(ValueError, match="unknown span handle"):
         store.get(hb)
-    assert store.stats() == {"count": 3, "bytes": 3 * 64 * 4, "budget": 3 * 64 * 4}
+    assert store.stats() == {"count": 3, "bytes": 3 * span_bytes, "budget": 3 * span_bytes}
     with pytest.raises(ValueError, match="exceeds the handle store's budget"):
         store.put(torch.zeros(4, 64))
     assert store.delete(ha) and not store.delete(ha) and store.stats()["count"] == 2
@@ -36,14 +38,19 @@ def test_upload_once_and_refer_by_handle_everywhere(llama_server):
     assert up.json()["shape"] == [10, 64] and handle.startswith("span-")
     again = requests.post(url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows, "json")}, timeout=60).json()
     assert again["handle"] == handle
-    inline = generate(llama_server, body([text("the fox"), span(rows)], 8))
-    by_handle = generate(llama_server, body([text("the fox"), {"type": "embeds", "embeds": {"handle": handle}}], 8))
+    inline = generate(llama_server, body([text("the fox"), span(rows)], 8, **LOGPROBS))
+    by_handle = generate(llama_server, body([text("the fox"), {"type": "embeds", "embeds": {"handle": handle}}], 8,
+                                            **OUTPUT_LOGPROBS))
     assert by_handle["output_ids"] == inline["output_ids"]
-    ref.assert_matches_hf(inline["output_ids"], llama_server.model_dir, reference_embeds(llama_server.model_dir, ["the fox", rows]), 8,
-                          other_span_embeds=reference_embeds(llama_server.model_dir, ["the fox", rows.flip(0)]))
+    prompt = reference_embeds(llama_server.model_dir, ["the fox", rows])
+    other = reference_embeds(llama_server.model_dir, ["the fox", rows.flip(0)])
+    for out in (inline, by_handle):
+        ref.assert_matches_hf(out, llama_server.model_dir, prompt, 8, other_span_embeds=other)
     assert by_handle["meta_info"]["cached_tokens"] >= 10  # same rows, same placeholders, same cache
-    full = generate(llama_server, {"input_embeds": {"handle": handle}, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    full = generate(llama_server, {"input_embeds": {"handle": handle}, "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+                                   **OUTPUT_LOGPROBS})
     assert full["meta_info"]["prompt_tokens"] == 10
+    ref.assert_matches_hf(full, llama_server.model_dir, rows, 8, "whole prompt by handle: ", other_span_embeds=rows.flip(0))
     def chat(part):
         r = requests.post(url + "/v1/chat/completions", json={"model": "default", "max_tokens": 6, "temperature": 0, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "input_embeds", "input_embeds": part}]}]}, timeout=60)
@@ -89,12 +96,12 @@ def test_a_kept_span_crosses_to_the_scheduler_once(llama_server):
     first = counts()
     assert (first["rows_sent"] - start["rows_sent"], first["rows_left_out"] - start["rows_left_out"]) == (24, 0)
     assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
-    out = generate(llama_server, body([text("a cat"), by_handle, text(" is")], 8))
+    out = generate(llama_server, body([text("a cat"), by_handle, text(" is")], 8, **OUTPUT_LOGPROBS))
     again = counts()
     assert (again["rows_sent"] - first["rows_sent"], again["rows_left_out"] - first["rows_left_out"]) == (0, 24)
     assert out["meta_info"]["cached_tokens"] == 0  # the span's KV was computed from the kept rows
     parts = ["a cat", rows, " is"]
-    ref.assert_matches_hf(out["output_ids"], model_dir, reference_embeds(model_dir, parts), 8,
+    ref.assert_matches_hf(out, model_dir, reference_embeds(model_dir, parts), 8,
                           other_span_embeds=reference_embeds(model_dir, with_other_spans(parts)))
     mixed = generate(llama_server, body([text("a cat"), by_handle, text(" and"), span(other)], 8))
     inline = generate(llama_server, body([text("a cat"), span(rows), text(" and"), span(other)], 8))

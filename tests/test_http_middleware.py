@@ -1,5 +1,5 @@
-"""The HTTP middleware in-process (no server): pass-through, body limit, routing of span bodies,
-and its installation at launch."""
+"""The HTTP middleware in-process (no server): pass-through, body limit, routing of span bodies
+(JSON and binary), the upload route, and its installation at launch."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import json
 import os
 from types import SimpleNamespace
 
-from sgl_embeds_srt import http
-from sgl_embeds_srt.http import asgi, middleware
+import orjson
+import torch
+
+from sgl_embeds_srt import binary_body, handles, http, parse
+from sgl_embeds_srt.http import asgi, middleware, own_routes
+
+BINARY = [(b"content-type", binary_body.CONTENT_TYPE.encode())]
 
 
-def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
+def _call(mw, body: bytes, path: str = "/generate", method: str = "POST", headers: list | None = None):
     sent, seen = [], {}
     chunks = [body[i : i + 7] for i in range(0, len(body), 7)] or [b""]
 
@@ -26,7 +31,7 @@ def _call(mw, body: bytes, path: str = "/generate", method: str = "POST"):
     async def send(msg):
         sent.append(msg)
 
-    scope = {"type": "http", "path": path, "method": method, "headers": [], "query_string": b""}
+    scope = {"type": "http", "path": path, "method": method, "headers": headers or [], "query_string": b""}
     asyncio.run(mw(scope, receive, send))
     return sent, seen
 
@@ -118,3 +123,76 @@ def test_launch_installs_the_middleware_once_and_points_workers_at_the_worker_ap
     module, _, name = os.environ["SGLANG_HTTP_SERVER_APP_PATH"].partition(":")
     assert (module, name) == ("sgl_embeds_srt.http.worker_app", "app")
     assert importlib.util.find_spec(module) is not None
+
+
+def _recording_handler(monkeypatch, path: str = "/generate") -> list:
+    """The bodies ``path``'s handler is called with (it answers 400 "handled")."""
+    calls = []
+
+    async def handler(body, request, ctx):
+        calls.append(body)
+        return asgi.error_response("handled", 400)
+
+    monkeypatch.setattr(asgi, "server_spec", lambda: SimpleNamespace(vocab_size=100, hidden_size=8))
+    monkeypatch.setitem(middleware.ROUTES, path, (parse.has_span_fields, handler))
+    return calls
+
+
+def test_a_binary_body_reaches_the_handler_as_its_json_form_with_tensors(monkeypatch):
+    calls, app = _recording_handler(monkeypatch), _App()
+    rows = torch.randn(3, 8).bfloat16()
+    request = {"input_segments": [{"type": "text", "text": "a"}, {"type": "embeds", "embeds": rows}]}
+    body, _ = binary_body.encode_body(request)
+    sent, _ = _call(middleware.SpanMiddleware(app), body, headers=BINARY)
+    assert not app.bodies and sent[0]["status"] == 400 and b"handled" in sent[-1]["body"]
+    [got] = calls
+    assert got["input_segments"][0] == {"type": "text", "text": "a"}
+    assert torch.equal(got["input_segments"][1]["embeds"], rows)
+
+
+def test_a_malformed_binary_body_is_a_400_naming_the_fault(monkeypatch):
+    calls, app = _recording_handler(monkeypatch), _App()
+    body, _ = binary_body.encode_body({"input_embeds": torch.zeros(2, 8)})
+    sent, _ = _call(middleware.SpanMiddleware(app), body[:-8], headers=BINARY)  # truncated
+    assert sent[0]["status"] == 400 and not calls and not app.bodies
+    assert b"input_embeds: data_offsets [0, 64] end past the 56 bytes after the head" in sent[-1]["body"]
+    json_body = orjson.dumps({"input_embeds": [[0.0] * 8]})  # JSON sent as binary
+    sent, _ = _call(middleware.SpanMiddleware(app), json_body, headers=BINARY)
+    assert sent[0]["status"] == 400 and b"the JSON head is declared" in sent[-1]["body"]
+
+
+def test_a_binary_body_without_spans_reaches_the_stock_route_as_json(monkeypatch):
+    calls, app = _recording_handler(monkeypatch), _App()
+    request = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+    body, _ = binary_body.encode_body(request)
+    _call(middleware.SpanMiddleware(app), body, headers=BINARY + [(b"content-length", b"1")])
+    assert not calls and orjson.loads(app.bodies[0]) == request
+    headers = dict(app.scopes[0]["headers"])
+    assert headers[b"content-type"] == b"application/json"
+    assert headers[b"content-length"] == str(len(app.bodies[0])).encode()
+    chat = {"messages": [{"role": "user", "content": [{"type": "input_embeds", "input_embeds": torch.zeros(1, 8)}]}]}
+    sent, _ = _call(middleware.SpanMiddleware(app), binary_body.encode_body(chat)[0], headers=BINARY)
+    assert sent[0]["status"] == 400 and b"/generate reads no span where this binary body puts one" in sent[-1]["body"]
+    assert len(app.bodies) == 1
+
+
+def test_the_upload_route_takes_a_binary_body(monkeypatch):
+    monkeypatch.setattr(asgi, "server_spec", lambda: SimpleNamespace(hidden_size=8))
+    mw, rows = middleware.SpanMiddleware(_App()), torch.randn(4, 8).half()
+    sent, _ = _call(mw, binary_body.encode_body({"embeds": rows})[0], path="/sgl_embeds/spans", headers=BINARY)
+    uploaded = orjson.loads(sent[-1]["body"])
+    assert sent[0]["status"] == 200 and uploaded["shape"] == [4, 8] and uploaded["dtype"] == "float16"
+    assert torch.equal(mw.store.get(uploaded["handle"]).tensor, rows)
+    bad = binary_body.encode_body({"embeds": torch.full((1, 8), float("inf"))})[0]
+    sent, _ = _call(mw, bad, path="/sgl_embeds/spans", headers=BINARY)
+    assert sent[0]["status"] == 400 and b"NaN or Inf" in sent[-1]["body"]
+    sent, _ = _call(mw, b"\x01", path="/sgl_embeds/spans", headers=BINARY)
+    assert sent[0]["status"] == 400 and b"8-byte length" in sent[-1]["body"]
+
+
+def test_info_advertises_the_binary_body_and_the_key_scheme(monkeypatch):
+    spec = SimpleNamespace(hidden_size=8, dtype=torch.float32, vocab_size=100, context_len=64, vision=None)
+    monkeypatch.setattr(asgi, "server_spec", lambda: spec)
+    monkeypatch.setattr(own_routes.transport, "stats", lambda: {})
+    info = own_routes.info(handles.SpanStore(1 << 20))
+    assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v2"

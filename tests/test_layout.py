@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT, SERVER = "sgl_embeds", "sgl_embeds_srt"
-SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "lru", "keys", "targets")} | {SERVER}
+SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "binary_body", "lru", "keys", "targets")}
+SHARED |= {SERVER}
 
 
 def _module_name(path: Path) -> str:

@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from helpers import body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
+from helpers import LOGPROBS, body, chat_as_generate, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
 from sgl_embeds_srt import wire
 from sgl_embeds.testing import reference as ref
 
@@ -20,8 +20,8 @@ def client(llama_server):
 def test_completions_with_segments_equal_generate_and_hf(client, llama_server, llama_dir):
     parts = ["the red fox", seeded_rows(1, 6), " near the"]
     segs = to_segments(parts)
-    want = generate(llama_server, body(segs, 8))
-    ref.assert_matches_hf(want["output_ids"], llama_dir, reference_embeds(llama_dir, parts), 8,
+    want = generate(llama_server, body(segs, 8, **LOGPROBS))
+    ref.assert_matches_hf(want, llama_dir, reference_embeds(llama_dir, parts), 8,
                           other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)))
     out = client.completions.create(model="default", prompt="", max_tokens=8, temperature=0, extra_body={"input_segments": segs})
     assert out.choices[0].text == want["text"]
@@ -32,8 +32,8 @@ def test_completions_full_prompt_embeds_equal_generate_and_hf(client, llama_serv
     x = seeded_rows(2, 10)
     enc = wire.encode_tensor(x, "base64", "float32")
     out = client.completions.create(model="default", prompt="", max_tokens=8, temperature=0, extra_body={"input_embeds": enc})
-    want = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
-    ref.assert_matches_hf(want["output_ids"], llama_dir, x, 8, other_span_embeds=seeded_rows(20, 10))
+    want = generate(llama_server, {"input_embeds": enc, "sampling_params": {"temperature": 0, "max_new_tokens": 8}, **LOGPROBS})
+    ref.assert_matches_hf(want, llama_dir, x, 8, other_span_embeds=seeded_rows(20, 10))
     assert out.choices[0].text == want["text"]
 
 
@@ -42,7 +42,8 @@ def test_chat_with_span_parts_equals_generate_on_the_rendered_prompt(client, lla
     messages = [{"role": "system", "content": "you see images"},
                 {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "input_embeds", "input_embeds": wire.encode_tensor(x)},
                                              {"type": "text", "text": " what is it"}]}]
-    out = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
+    out = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
+                                         logprobs=True, extra_body={"return_token_ids": True})
     rendered = ref.hf_tokenizer(str(llama_dir)).apply_chat_template(
         [messages[0], {"role": "user", "content": "look\ue000 what is it"}], tokenize=False, add_generation_prompt=True)
     before, after = rendered.split("\ue000")
@@ -50,8 +51,9 @@ def test_chat_with_span_parts_equals_generate_on_the_rendered_prompt(client, lla
     want = generate(llama_server, body([ids(before), span(x), ids(after)], 8))
     tok = ref.hf_tokenizer(str(llama_dir))
     rows = lambda t: ref.embed_ids(llama_dir, tok.encode(t, add_special_tokens=False))
-    ref.assert_matches_hf(want["output_ids"], llama_dir, torch.cat([rows(before), x, rows(after)]), 8,
+    ref.assert_matches_hf(chat_as_generate(out.model_dump()), llama_dir, torch.cat([rows(before), x, rows(after)]), 8,
                           other_span_embeds=torch.cat([rows(before), seeded_rows(30, 5), rows(after)]))
+    assert out.choices[0].response_token_ids == want["output_ids"]
     assert out.choices[0].message.content == want["text"]
     assert out.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
 
@@ -76,10 +78,10 @@ def test_chat_streaming_n_stop_logprobs_and_cached_usage(client):
 
 def test_chat_full_prompt_input_embeds(client, llama_server, llama_dir):
     x = seeded_rows(5, 8)
-    out = client.chat.completions.create(model="default", messages=[], max_tokens=6, temperature=0,
-                                         extra_body={"input_embeds": wire.encode_tensor(x)})
+    out = client.chat.completions.create(model="default", messages=[], max_tokens=6, temperature=0, logprobs=True,
+                                         extra_body={"input_embeds": wire.encode_tensor(x), "return_token_ids": True})
     want = generate(llama_server, {"input_embeds": wire.encode_tensor(x), "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
-    reference = ref.assert_matches_hf(want["output_ids"], llama_dir, x, 6, other_span_embeds=seeded_rows(21, 8))
+    reference = ref.assert_matches_hf(chat_as_generate(out.model_dump()), llama_dir, x, 6, other_span_embeds=seeded_rows(21, 8))
     assert out.choices[0].message.content == want["text"]
     assert out.usage.prompt_tokens == 8 and out.usage.completion_tokens == len(reference.tokens)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sgl_embeds
-from helpers import hf_select_scores, seeded_rows
+from helpers import assert_select_scores, hf_select_scores, seeded_rows
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds_srt import segments as seg
@@ -73,9 +73,10 @@ def test_extract_attributes_forks_share_the_span(backend):
 def test_classify_picks_the_label_hf_scores_highest(backend, llama_dir):
     labels = ["red", "blue", "green"]
     image = seeded_rows(7, 10)
-    label = classify.run(image=image, labels=labels, backend=backend)["label"]
+    state = classify.run(image=image, labels=labels, backend=backend)
     prompt = sgl_embeds.compile_program(classify, backend, image=image, labels=labels)[0]  # what select scores after
     text0, span_, rest = prompt
     scores = hf_select_scores(llama_dir, [text0.text, span_.tensor], rest.text, labels)
-    assert label == labels[max(range(3), key=lambda i: scores[i])], (label, scores)
+    assert_select_scores(state, "label", scores)
+    assert state["label"] == labels[max(range(3), key=lambda i: scores[i])], (state["label"], scores)
     assert len(set(round(s, 3) for s in scores)) == 3  # the scores tell the labels apart

@@ -78,20 +78,10 @@ def ask(server, segments: list[dict], **extra) -> dict:
 def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
                       add_special_tokens: bool = True) -> list[int]:
     """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
-    ours = out["output_ids"]
     greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
                                add_special_tokens=add_special_tokens)
-    reference = greedy()
-    ref.assert_not_degenerate(reference.tokens, f"{label}: ", min_distinct=2)
-    model, _ = hf_qwen_vl(str(checkpoint))
-    forgiven = ref.check_greedy(ours, greedy,
-                                f"{label}: ", eos_ids=ref.eos_ids(model))
-    assert len(ours) >= MIN_COMPARED, f"{label}: only {len(ours)} tokens compared"
-    logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    n = ref.assert_logprobs_match(ours, logprobs, reference, f"{label}: ")
-    print(f"{label}: {len(ours)} tokens equal HF Qwen2.5-VL's ({forgiven} near-tie(s) forgiven), "
-          f"{n} logprobs within {ref.LOGPROB_TOL:.0e}")
-    return reference.tokens
+    eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
+    return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
 
 
 def test_one_image_span_equals_hf_on_the_pixels(qwen_vl_spans_server, qwen_vl_dir):
@@ -270,10 +260,7 @@ def test_chat_route_image_parts_equal_hf(qwen_vl_spans_server, qwen_vl_dir, earl
     choice = res.json()["choices"][0]
     hf_ids = qwen_vl_inputs(qwen_vl_dir, text, images, add_special_tokens=False)["input_ids"][0].tolist()
     assert choice["prompt_token_ids"] == hf_ids  # as HF's processor tokenizes a rendered chat
-    tokens = choice["response_token_ids"]
-    logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
-    as_generate = {"output_ids": tokens, "meta_info": {"output_token_logprobs": [(lp, None, None) for lp in logprobs]}}
-    reference = assert_matches_hf(as_generate, qwen_vl_dir, text, images, f"chat after {earlier_turns} turn(s)",
+    reference = assert_matches_hf(helpers.chat_as_generate(res.json()), qwen_vl_dir, text, images, f"chat after {earlier_turns} turn(s)",
                                   add_special_tokens=False)
     other = qwen_vl_greedy(qwen_vl_dir, text, [pictures["checks"]] * len(images), MAX_TOKENS,
                            add_special_tokens=False).tokens

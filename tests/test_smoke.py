@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import sglang as sgl
 
-from helpers import hf_select_scores
+from helpers import LOGPROBS, assert_select_scores, hf_select_scores
 from sgl_embeds.testing import reference as ref
 
 
 def test_text_generate_equals_hf_greedy(llama_server, llama_dir):
     tok = ref.hf_tokenizer(str(llama_dir))
     prompt = "the quick red fox near the blue house"
-    out = llama_server.generate({"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}).json()
-    reference = ref.assert_matches_hf(out["output_ids"], llama_dir, ref.embed_ids(llama_dir, tok.encode(prompt)), 16)
+    out = llama_server.generate({"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16},
+                                 **LOGPROBS}).json()
+    reference = ref.assert_matches_hf(out, llama_dir, ref.embed_ids(llama_dir, tok.encode(prompt)), 16)
     assert len(set(reference.tokens)) > 2
 
 
@@ -33,6 +34,7 @@ def test_sgl_function_with_gen_and_select_through_runtime_endpoint(llama_server,
     state = describe.run(thing="fox", backend=backend)
     choices = ["red", "blue", "green"]
     scores = hf_select_scores(llama_dir, ["the fox is" + state["words"]], " so it is ", choices)
+    assert_select_scores(state, "answer", scores)
     assert state["answer"] == choices[max(range(3), key=lambda i: scores[i])], (state["answer"], scores)
     direct = llama_server.generate({"text": "the fox is", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
     assert state["words"] == direct["text"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
@@ -29,3 +30,10 @@ def synthetic_scene(width: int = 96, height: int = 64) -> Image.Image:
     draw.rectangle((8, 8, 32, 32), fill=(220, 20, 20))
     draw.ellipse((56, 36, 84, 60), fill=(20, 40, 220))
     return img
+
+
+def scene_disc_mask(width: int = 96, height: int = 64) -> np.ndarray:
+    """The blue disc of ``synthetic_scene(width, height)`` (at its default size) as a bool mask:
+    a region that is not a box (its bounding box is 29x29 px)."""
+    yy, xx = np.mgrid[:height, :width]
+    return (yy - 48) ** 2 + (xx - 70) ** 2 <= 14 ** 2

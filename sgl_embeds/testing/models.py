@@ -192,18 +192,7 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
             image_token_index=tok.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
             vision_feature_layer=-2, vision_feature_select_strategy="default",
         )
-        seed, lm_scale, projector_scale = _LLAVA_INIT[arch]
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).to(torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "language_model" in name or name.startswith("lm_head"):
-                    if "norm" not in name:
-                        p.mul_(lm_scale)
-                elif "multi_modal_projector" in name:
-                    p.mul_(projector_scale)
-        model.generation_config.eos_token_id = 1
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_scaled_vlm(LlavaForConditionalGeneration, config, _LLAVA_INIT[arch], tmp)
         processor = LlavaProcessor(
             image_processor=CLIPImageProcessor(
                 size={"shortest_edge": TINY_IMAGE_SIZE}, crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}),
@@ -215,6 +204,23 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
             _rename_to_model_layout(tmp)
 
     return _build_atomically(cache_dir() / f"tiny-llava-{arch}-{layout}-{LLAVA_CACHE_VERSION}", build)
+
+
+def save_scaled_vlm(model_class, config, init: tuple[int, float, float], out: Path) -> None:
+    """Save a random ``model_class(config)`` (a LLaVA-style VLM) to ``out``, its language model
+    and projector scaled up; ``init``: (seed, language-model scale, projector scale)."""
+    seed, lm_scale, projector_scale = init
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name or name.startswith("lm_head"):
+                if "norm" not in name:
+                    p.mul_(lm_scale)
+            elif "multi_modal_projector" in name:
+                p.mul_(projector_scale)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def _rename_to_model_layout(directory: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Collection
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 NEAR_TIE = 1e-3
 # Every near-tie forgiven since the last reset, by context: tests/conftest.py resets it before each
@@ -34,14 +34,17 @@ class Greedy:
     runner_ups: list[int]
     gaps: list[float]
     logprobs: list[float] = field(default_factory=list)
+    # each step's whole log-softmax (float64), for comparing top-k maps
+    distributions: list[torch.Tensor] = field(default_factory=list, repr=False)
 
 
 def _greedy_from_scores(sequences: torch.Tensor, scores: tuple) -> Greedy:
     tokens = sequences[0].tolist()[-len(scores):]
     top2 = [s[0].float().topk(2) for s in scores]
-    logprobs = [float(s[0].double().log_softmax(-1)[t]) for s, t in zip(scores, tokens)]
+    distributions = [s[0].double().log_softmax(-1) for s in scores]
+    logprobs = [float(d[t]) for d, t in zip(distributions, tokens)]
     return Greedy(tokens, [int(t.indices[1]) for t in top2], [float(t.values[0] - t.values[1]) for t in top2],
-                  logprobs)
+                  logprobs, distributions)
 
 
 @lru_cache(maxsize=4)
@@ -80,19 +83,28 @@ def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tok
     return _greedy_from_scores(out.sequences, out.scores)
 
 
-def assert_matches_hf(ours: list[int], model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int,
-                      context: str = "", other_span_embeds: torch.Tensor | None = None,
+def assert_matches_hf(ours: list[int] | dict, model_dir: str | Path, inputs_embeds: torch.Tensor,
+                      max_new_tokens: int, context: str = "", other_span_embeds: torch.Tensor | None = None,
                       dtype: torch.dtype = torch.float32, near_tie: float = NEAR_TIE) -> Greedy:
     """Our greedy tokens equal HF ``generate(inputs_embeds=...)`` under ``check_greedy``'s rule;
     the reference must not be degenerate, and (given ``other_span_embeds``, the same prompt with
-    a different span) must change with the span. Returns HF's reference."""
+    a different span) must change with the span. Returns HF's reference.
+
+    ``ours``: the output ids, or a ``/generate`` response sent with ``return_logprob``, whose
+    numbers are then compared too (``assert_response_logprobs``)."""
+    tokens = ours["output_ids"] if isinstance(ours, dict) else ours
     reference = greedy_after(model_dir, inputs_embeds, max_new_tokens, dtype=dtype)
     assert_not_degenerate(reference.tokens, context, min_distinct=2)
     if other_span_embeds is not None:
         other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype).tokens
         assert other != reference.tokens, f"{context}the span does not change HF's output: {other}"
-    check_greedy(ours, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context,
+    check_greedy(tokens, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context,
                  near_tie, eos_ids(hf_model(str(model_dir))))
+    if isinstance(ours, dict):
+        tol = LOGPROB_TOL if dtype == torch.float32 else BF16_LOGPROB_TOL
+        assert_response_logprobs(ours, reference, context, tol)
+        if ours["meta_info"].get("input_token_logprobs"):  # sent with logprob_start_len=0
+            assert_input_logprobs(ours, model_dir, inputs_embeds, context, tol, dtype)
     return reference
 
 
@@ -149,6 +161,7 @@ def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], 
 
 
 LOGPROB_TOL = 1e-4  # float32 both sides: seen <= 5e-7 (tiny Qwen2.5-VL); the rows x1.01 move them 4.4e-4
+BF16_LOGPROB_TOL = 0.1  # bfloat16 both sides (different kernels): only a gross error shows
 
 
 def assert_logprobs_match(tokens: list[int], logprobs: list[float], reference: Greedy, context: str = "",
@@ -166,22 +179,82 @@ def assert_logprobs_match(tokens: list[int], logprobs: list[float], reference: G
     return n
 
 
+def assert_response_logprobs(out: dict, reference: Greedy, context: str = "", tol: float = LOGPROB_TOL) -> int:
+    """A ``/generate`` response's output-token logprobs (and its top-k maps, when it has them)
+    equal HF's log-softmax at the same steps within ``tol``, up to the first divergence; a top-k
+    map must hold HF's top-k tokens (order free where values tie within ``tol``)."""
+    meta = out["meta_info"]
+    assert meta.get("output_token_logprobs"), f"{context}send return_logprob to compare numbers"
+    tokens = out["output_ids"]
+    n = assert_logprobs_match(tokens, [lp for lp, _, _ in meta["output_token_logprobs"]], reference, context, tol)
+    for step, top in enumerate((meta.get("output_top_logprobs") or [])[:n]):
+        hf = reference.distributions[step]
+        ours = {token: lp for lp, token, _ in top}
+        for token, lp in ours.items():
+            assert abs(lp - float(hf[token])) <= tol, (
+                f"{context}step {step}: top-k logprob of token {token} is {lp:.5f}, HF's {float(hf[token]):.5f}")
+        kth = float(hf.topk(len(ours)).values[-1])
+        missing = [int(t) for t in hf.topk(len(ours)).indices if int(t) not in ours and float(hf[t]) > kth + tol]
+        assert not missing, f"{context}step {step}: HF's top-{len(ours)} tokens {missing} are not in ours {sorted(ours)}"
+    return n
+
+
+@torch.no_grad()
+def assert_input_logprobs(out: dict, model_dir: str | Path, inputs_embeds: torch.Tensor, context: str = "",
+                          tol: float = LOGPROB_TOL, dtype: torch.dtype = torch.float32) -> int:
+    """The response's input logprobs (``logprob_start_len=0``) at text positions equal HF's
+    log-softmax of the prompt's forward at the position before (span positions are null);
+    returns how many were compared."""
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert len(entries) == inputs_embeds.shape[0], f"{context}{len(entries)} input logprobs for {inputs_embeds.shape[0]} positions"
+    logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0)).logits[0]
+    distributions = logits.double().log_softmax(-1)
+    compared = 0
+    for i, (lp, token, _) in enumerate(entries[1:], start=1):
+        if lp is None:
+            continue
+        hf = float(distributions[i - 1][token])
+        assert abs(lp - hf) <= tol, f"{context}input position {i} (token {token}): logprob {lp:.5f}, HF's {hf:.5f}"
+        compared += 1
+    return compared  # 0 for a prompt of span rows only
+
+
+def assert_vlm_matches_hf(out: dict, greedy: Callable[..., Greedy], eos: Collection[int], context: str,
+                          min_compared: int, min_distinct: int = 3) -> Greedy:
+    """A response about images vs HF's VLM on the pixels: ``greedy(prefix=())`` is HF's greedy
+    continuation; our tokens under ``check_greedy``'s rule (at least ``min_compared`` of them),
+    then their logprobs and top-k maps (``assert_response_logprobs``). Returns HF's reference."""
+    ours = out["output_ids"]
+    reference = greedy()
+    assert_not_degenerate(reference.tokens, context, min_distinct)
+    forgiven = check_greedy(ours, greedy, context, eos_ids=eos)
+    assert len(ours) >= min_compared, f"{context}only {len(ours)} tokens compared"
+    n = assert_response_logprobs(out, reference, context)
+    print(f"{context}{len(ours)} tokens equal HF's ({forgiven} near-tie(s) forgiven), "
+          f"{n} logprobs within {LOGPROB_TOL:.0e}")
+    return reference
+
+
 def assert_not_degenerate(tokens: list[int], context: str = "", min_distinct: int = 3) -> None:
     """A reference of one repeated token would make an equality check nearly vacuous."""
     assert len(set(tokens)) >= min_distinct, f"{context}reference output is degenerate: {tokens}"
 
 
 # -- HF LLaVA as the reference for the vision path -------------------------------------------
+# One reference for the three families split can split: LLaVA-1.5 (LlavaForConditionalGeneration),
+# LLaVA-NeXT and LLaVA-OneVision (their processors also give image_sizes, which generate takes).
 
 
 @lru_cache(maxsize=4)
 def hf_llava(checkpoint: str):
-    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    """HF's model (the checkpoint's own class: LLaVA-1.5, -NeXT or -OneVision) and processor."""
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
 def llava_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
-    """What HF's LLaVA processor builds for ``text`` (with one image token per image)."""
+    """What HF's LLaVA processor builds for ``text`` (with one image token per image; the images
+    as a flat list, so each one is tiled on its own by the any-resolution families)."""
     _, processor = hf_llava(str(checkpoint))
     return dict(processor(images=images or None, text=text, return_tensors="pt"))
 
@@ -189,7 +262,8 @@ def llava_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
 @torch.no_grad()
 def llava_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
                  prefix: list[int] = ()) -> Greedy:
-    """HF ``LlavaForConditionalGeneration.generate`` (float32, greedy) after ``text`` + ``prefix``."""
+    """HF ``generate`` of the checkpoint's LLaVA class (float32, greedy) after ``text`` +
+    ``prefix``, with the processor's ``pixel_values`` (and ``image_sizes``)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
     model, _ = hf_llava(str(checkpoint))

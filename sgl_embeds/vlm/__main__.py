@@ -1,4 +1,5 @@
-"""``python -m sgl_embeds.vlm split SRC DST``: split a LLaVA checkpoint (see ``checkpoint.py``)."""
+"""``python -m sgl_embeds.vlm split SRC DST``: split a LLaVA-1.5, -NeXT or -OneVision checkpoint
+(see ``checkpoint.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sgl_embeds.vlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("split", help="write DST/llm (for SGLang) and DST/vision (for load_encoder)")
-    p.add_argument("src", help="an HF LlavaForConditionalGeneration directory (safetensors)")
+    p.add_argument("src", help="an HF LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision directory "
+                   "(safetensors)")
     p.add_argument("dst", help="output directory")
     args = parser.parse_args(argv)
     start = time.monotonic()

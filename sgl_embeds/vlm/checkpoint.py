@@ -1,15 +1,19 @@
 """Split an HF LLaVA checkpoint into an LLM that SGLang serves and a vision half that we run.
 
-``split(SRC, DST)`` reads a ``LlavaForConditionalGeneration`` directory as transformers writes
-it (safetensors, one file or an index of shards; both key layouts: ``language_model.model.*``
-as ``save_pretrained`` writes it, and ``model.language_model.*`` as the modules name it) and
-writes:
+``split(SRC, DST)`` reads a ``LlavaForConditionalGeneration`` (LLaVA-1.5),
+``LlavaNextForConditionalGeneration`` (LLaVA-NeXT) or ``LlavaOnevisionForConditionalGeneration``
+(LLaVA-OneVision) directory as transformers writes it (safetensors, one file or an index of
+shards; both key layouts: ``language_model.model.*`` as ``save_pretrained`` writes it, and
+``model.language_model.*`` as the modules name it) and writes:
 
 * ``DST/llm/``: an ordinary causal-LM directory (config, weights, tokenizer, generation config,
   chat template) for ``python -m sglang.launch_server --model-path DST/llm``;
-* ``DST/vision/``: the CLIP tower (mapped to open_clip names) and the projector in
-  ``model.safetensors``, the settings in ``sgl_embeds_vision.json`` (``tower.VisionConfig``), and
-  the checkpoint's prompt template as ``chat_template.jinja``.
+* ``DST/vision/``: the tower, the projector (and ``image_newline``) in ``model.safetensors``,
+  the settings in ``sgl_embeds_vision.json`` and the checkpoint's prompt template as
+  ``chat_template.jinja``. LLaVA-1.5: the CLIP tower under open_clip's names, settings
+  ``tower.VisionConfig`` (the image processing among them). LLaVA-NeXT / OneVision: the tower under
+  transformers' names, settings ``anyres.AnyresConfig``, and the image processor's own
+  ``preprocessor_config.json``.
 
 Anything it cannot carry over exactly is a ``ValueError`` naming the key or the config field.
 Weights are read with safetensors only: a ``.bin`` checkpoint is refused, never unpickled.
@@ -20,21 +24,28 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from sgl_embeds.vlm.anyres import checkpoint_settings
 from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
 
+# model_type -> the transformers class of the checkpoints split can split
+FAMILIES = {"llava": "LlavaForConditionalGeneration",
+            "llava_next": "LlavaNextForConditionalGeneration",
+            "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
 SHARD_BYTES = 4 << 30
 _LLM_FILES = ("generation_config.json",)
 
@@ -43,39 +54,63 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths."""
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
-    if raw.get("model_type") != "llava":
-        raise ValueError(f"{src}/config.json: model_type is {raw.get('model_type')!r}; only 'llava' "
-                         "(LlavaForConditionalGeneration) checkpoints can be split")
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        video = " (a video model: videos are not supported)" if "video" in str(family) else ""
+        raise ValueError(f"{src}/config.json: model_type is {family!r}{video}; only "
+                         f"{', '.join(map(repr, FAMILIES))} checkpoints "
+                         f"({', '.join(FAMILIES.values())}) can be split")
     vision_type = raw.get("vision_config", {}).get("model_type")
-    if vision_type != "clip_vision_model":
+    if family == "llava" and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
                          "(clip_vision_model) map onto open_clip")
-    config = AutoConfig.from_pretrained(src)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except StrictDataclassError as e:  # a value transformers itself refuses, e.g. a strategy
+        raise ValueError(f"{src}/config.json: {e}") from None
     arch = _causal_lm_architecture(config.text_config)
-    log(f"[split] {src}: LLaVA with a CLIP tower and a {arch} language model")
+    log(f"[split] {src}: {FAMILIES[family]} with a {vision_type} tower and a {arch} language model")
 
     weights = weight_index(src)
-    llm_keys, tower_keys, projector_keys = _partition(weights)
-    vision = _vision_config(src, config, projector_keys)
-    log(f"[split] {len(llm_keys)} language-model tensors, {len(tower_keys)} tower, "
-        f"{len(projector_keys)} projector")
+    parts = _partition(weights, family)
+    if family == "llava":
+        vision = _vision_config(src, config, parts.projector)
+        image_processor = None
+    else:
+        vision, image_processor = checkpoint_settings(
+            src, config, _projector_bias(config, parts.projector))
+    log(f"[split] {len(parts.llm)} language-model tensors, {len(parts.tower)} tower, "
+        f"{len(parts.projector)} projector")
 
     llm_dir, vision_dir = dst / "llm", dst / "vision"
     for d in (llm_dir, vision_dir):
         d.mkdir(parents=True, exist_ok=True)
     tensors = Tensors(weights)
-    _write_llm(src, config, arch, tensors, llm_keys, llm_dir, log)
-    tower = clip_to_open_clip({k: tensors[full] for k, full in tower_keys.items()}, vision.tower.layers)
+    _write_llm(src, config, arch, tensors, parts.llm, llm_dir, log)
+    tower = {k: tensors[full] for k, full in parts.tower.items()}
+    if family == "llava":
+        tower = clip_to_open_clip(tower, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
-    state.update({f"projector.{k}": tensors[full].contiguous() for k, full in projector_keys.items()})
+    state.update({f"projector.{k}": tensors[full].contiguous() for k, full in parts.projector.items()})
+    if parts.newline is not None:
+        state["image_newline"] = tensors[parts.newline].contiguous()
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (vision_dir / CONFIG_NAME).write_text(vision.to_json())
     template = _processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
-    log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width {vision.tower.width}), "
-        f"feature layers {list(vision.feature_layers)}, {vision.rows_per_image} rows per image "
-        f"-> {vision_dir}")
+    if image_processor is None:
+        log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width "
+            f"{vision.tower.width}), feature layers {list(vision.feature_layers)}, "
+            f"{vision.rows_per_image} rows per image -> {vision_dir}")
+    else:
+        image_processor.save_pretrained(vision_dir)  # preprocessor_config.json
+        tiling = vision.tiling
+        height, width = max(tiling.pinpoints, key=lambda p: p[0] * p[1])
+        log(f"[split] vision: {vision_type} tower, {len(tiling.pinpoints)} pinpoints of "
+            f"{tiling.tile} px tiles, {tiling.grid}x{tiling.grid} rows per tile; an image of "
+            f"one tile costs {tiling.rows_for(tiling.tile, tiling.tile)} rows, one of "
+            f"{width}x{height} {tiling.rows_for(width, height)} -> {vision_dir}")
     return llm_dir, vision_dir
 
 
@@ -136,9 +171,18 @@ class Tensors:
         return self._files[path].get_tensor(key)
 
 
-def _partition(weights: dict[str, Path]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-    """(llm, tower, projector) maps from the name each part uses to the checkpoint's key."""
-    llm, tower, projector = {}, {}, {}
+@dataclass(frozen=True)
+class Parts:
+    """The checkpoint's keys by part: each map goes from the name the part uses to the key."""
+
+    llm: dict[str, str]
+    tower: dict[str, str]
+    projector: dict[str, str]
+    newline: str | None  # the key of image_newline (any-resolution families only)
+
+
+def _partition(weights: dict[str, Path], family: str) -> Parts:
+    llm, tower, projector, newline = {}, {}, {}, None
     for key in weights:
         name = key[len("model."):] if key.startswith("model.") and not key.startswith("model.model.") else key
         if name.startswith("language_model.model."):
@@ -154,16 +198,23 @@ def _partition(weights: dict[str, Path]) -> tuple[dict[str, str], dict[str, str]
             tower[rest[len("vision_model."):] if rest.startswith("vision_model.") else rest] = key
         elif name.startswith("multi_modal_projector."):
             projector[name[len("multi_modal_projector."):]] = key
+        elif name == "image_newline" and family != "llava":
+            newline = key
         else:
-            raise ValueError(f"checkpoint key {key!r} belongs to no known part of a LLaVA model")
+            raise ValueError(f"checkpoint key {key!r} belongs to no known part of a "
+                             f"{FAMILIES[family]} model")
     if not projector:
         raise ValueError("missing projector: the checkpoint has no multi_modal_projector.* weights")
     if not tower:
         raise ValueError("missing vision tower: the checkpoint has no vision_tower.* weights")
-    return llm, tower, projector
+    if family != "llava" and newline is None:
+        raise ValueError(f"missing image_newline: a {FAMILIES[family]} checkpoint needs the row "
+                         "that closes each row of tile features")
+    return Parts(llm, tower, projector, newline)
 
 
-def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionConfig:
+def _projector_bias(config, projector_keys: dict[str, str]) -> bool:
+    """Whether the projector (LLaVA's ``linear_1 -> act -> linear_2``, checked) has biases."""
     known = {f"linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
     unknown = sorted(set(projector_keys) - known)
     declared = getattr(config, "projector_type", None) or getattr(config, "mm_projector_type", None)
@@ -174,7 +225,11 @@ def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionC
     for key in ("linear_1.weight", "linear_2.weight"):
         if key not in projector_keys:
             raise ValueError(f"missing projector weight multi_modal_projector.{key}")
-    bias = "linear_1.bias" in projector_keys
+    return "linear_1.bias" in projector_keys
+
+
+def _vision_config(src: Path, config, projector_keys: dict[str, str]) -> VisionConfig:
+    bias = _projector_bias(config, projector_keys)
     v = config.vision_config
     layers = config.vision_feature_layer
     geometry = TowerGeometry(

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from open_clip.transformer import LayerNorm, QuickGELU, VisionTransformer
@@ -93,6 +93,11 @@ class VisionConfig:
         return self.tower.grid ** 2 + (1 if self.select_strategy == "full" else 0)
 
     @property
+    def projector_width(self) -> int:
+        """The projector's input width: the tower's, once per feature layer."""
+        return self.tower.width * len(self.feature_layers)
+
+    @property
     def blocks(self) -> list[int]:
         """open_clip block index of each feature layer (HF hidden state k is the output of block k-1)."""
         n = self.tower.layers
@@ -131,12 +136,22 @@ def build_tower(geometry: TowerGeometry) -> torch.nn.Module:
     return tower
 
 
-class Projector(torch.nn.Module):
-    """LLaVA's ``multi_modal_projector``: ``linear_1 -> act -> linear_2`` (the same weight names)."""
+class ProjectorConfig(Protocol):
+    """What ``Projector`` reads of a vision config."""
 
-    def __init__(self, config: VisionConfig):
+    projector_width: int
+    llm_hidden_size: int
+    projector_act: str
+    projector_bias: bool
+
+
+class Projector(torch.nn.Module):
+    """LLaVA's ``multi_modal_projector``: ``linear_1 -> act -> linear_2`` (the same weight names),
+    as ``config`` (``VisionConfig``, or ``anyres.AnyresConfig``) describes it."""
+
+    def __init__(self, config: ProjectorConfig):
         super().__init__()
-        width, hidden = config.tower.width * len(config.feature_layers), config.llm_hidden_size
+        width, hidden = config.projector_width, config.llm_hidden_size
         self.linear_1 = torch.nn.Linear(width, hidden, bias=config.projector_bias)
         self.act = ACTIVATIONS[config.projector_act]()
         self.linear_2 = torch.nn.Linear(hidden, hidden, bias=config.projector_bias)
@@ -220,6 +235,10 @@ class LlavaEncoder:
     def mean_color(self) -> tuple[int, int, int]:
         return self.config.processing.mean_color
 
+    def rows_for(self, width: int, height: int) -> int:
+        """How many rows an image of this size becomes: ``rows_per_image``, whatever its size."""
+        return self.config.rows_per_image
+
     def pixel_values(self, image: Image.Image) -> torch.Tensor:
         """``[3, H, W]``: what the checkpoint's image processor gives for ``image``."""
         return self.config.processing(image)
@@ -243,9 +262,9 @@ class LlavaEncoder:
         return self.features(self.pixel_values(image).unsqueeze(0))[0].float().cpu()
 
 
-def load_llava_encoder(vision_dir: str | Path,
-                       device: str | torch.device | None = None) -> LlavaEncoder:
-    """The ``VisionEncoder`` of ``DST/vision`` written by ``python -m sgl_embeds.vlm split``."""
+def read_vision_dir(vision_dir: str | Path) -> tuple[str, dict[str, torch.Tensor], "hashlib._Hash"]:
+    """What ``split`` wrote to ``DST/vision``: the settings (the text of ``CONFIG_NAME``), the
+    weights, and a SHA-256 of both that an encoder's ``identity`` is made from."""
     vision_dir = Path(vision_dir)
     config_path, weights_path = vision_dir / CONFIG_NAME, vision_dir / WEIGHTS_NAME
     for path in (config_path, weights_path):
@@ -257,5 +276,12 @@ def load_llava_encoder(vision_dir: str | Path,
     with open(weights_path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             digest.update(chunk)
+    return text, load_file(str(weights_path)), digest
+
+
+def load_llava_encoder(vision_dir: str | Path,
+                       device: str | torch.device | None = None) -> LlavaEncoder:
+    """The ``VisionEncoder`` of ``DST/vision`` written by ``python -m sgl_embeds.vlm split``."""
+    text, weights, digest = read_vision_dir(vision_dir)
     identity = "llava-" + digest.hexdigest()[:16]
-    return LlavaEncoder(VisionConfig.from_json(text), load_file(str(weights_path)), identity, device)
+    return LlavaEncoder(VisionConfig.from_json(text), weights, identity, device)

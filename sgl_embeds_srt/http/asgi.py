@@ -1,5 +1,6 @@
-"""What the middleware and the plugin's own routes share: request bodies over ASGI, SGLang's
-error body, and the model this HTTP process serves (``server_spec``)."""
+"""What the middleware and the plugin's own routes share: request bodies over ASGI (JSON, or
+the binary body of ``binary_body.py``), SGLang's error body, and the model this HTTP process
+serves (``server_spec``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Callable
 import orjson
 from fastapi.responses import ORJSONResponse
 
+from sgl_embeds_srt import binary_body
 from sgl_embeds_srt.prompts import ModelSpec
 
 
@@ -42,6 +44,21 @@ def parse_json(body: bytes) -> Any:
         return None  # the stock route reports malformed JSON its own way
 
 
+def is_binary(scope: dict) -> bool:
+    """Whether the request's body is a binary body (``binary_body.CONTENT_TYPE``)."""
+    return binary_body.is_binary(
+        next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"), None))
+
+
+def parse_body(scope: dict, body: bytes, max_span_bytes: int) -> Any:
+    """The request a body holds: JSON as parsed (None if malformed), or a binary body's request
+    with its spans as tensors (``wire.WireError`` if malformed: no stock route reads one, so its
+    400 is ours). ``max_span_bytes``: one span's limit, as float32."""
+    if is_binary(scope):
+        return binary_body.decode_body(body, max_span_bytes)
+    return parse_json(body)
+
+
 async def read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
     """The request body and whether it exceeds ``limit`` bytes (then it is not read further)."""
     chunks, size = [], 0
@@ -59,10 +76,15 @@ async def read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
     return b"".join(chunks), False
 
 
-def with_length(message: dict, n: int) -> dict:
-    """A request scope or response start with its content-length set to ``n``."""
-    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
-    return {**message, "headers": headers + [(b"content-length", str(n).encode())]}
+def with_length(message: dict, n: int, content_type: bytes | None = None) -> dict:
+    """A request scope or response start with its content-length set to ``n`` (and its
+    content-type to ``content_type``, if given)."""
+    replaced = {b"content-length"} | ({b"content-type"} if content_type else set())
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in replaced]
+    headers.append((b"content-length", str(n).encode()))
+    if content_type:
+        headers.append((b"content-type", content_type))
+    return {**message, "headers": headers}
 
 
 def replay(body: bytes, receive: Callable) -> Callable:

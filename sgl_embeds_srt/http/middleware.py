@@ -1,8 +1,10 @@
 """The ASGI middleware and its route table: span prompts on ``/generate`` and the OpenAI routes.
 
 An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at the
-bodies of the routes in ``ROUTES``. A body without span fields goes on to the stock route
-untouched once its token ids, if any, are checked (``token_ids.py``: an id outside the vocabulary
+bodies of the routes in ``ROUTES``, JSON or binary (``binary_body.py``: decoded here into the
+request a JSON body holds, its spans as tensors, so every handler serves both alike; a malformed
+one is a 400). A body without span fields goes on to the stock route untouched (a binary one as
+JSON) once its token ids, if any, are checked (``token_ids.py``: an id outside the vocabulary
 would kill stock SGLang's scheduler). A body with spans is decoded and validated here (HTTP 400
 with the reason on any problem): ``/generate`` becomes ``input_ids`` +
 ``positional_embed_overrides`` served by SGLang's own ``serve_generate_request``; the OpenAI
@@ -97,7 +99,10 @@ class SpanMiddleware:
             response = asgi.error_response(f"request body exceeds the limit of {limit} bytes", 413)
             return await response(scope, receive, send)
         replay = asgi.replay(body, receive)
-        payload = asgi.parse_json(body)
+        try:
+            payload = asgi.parse_body(scope, body, parse.max_span_bytes())
+        except ValueError as e:  # a malformed binary body
+            return await asgi.error_response(str(e))(scope, replay, send)
         detect, handler = route
         if not isinstance(payload, dict):
             return await self.app(scope, replay, send)
@@ -109,6 +114,9 @@ class SpanMiddleware:
                     token_ids.check_id_lists(value, asgi.server_spec().vocab_size, field)
                 except ValueError as e:
                     return await asgi.error_response(str(e))(scope, replay, send)
+            if asgi.is_binary(scope):  # the stock route reads JSON
+                return await self._forward_to_stock_route(scope, StockRequest(payload, None),
+                                                          receive, send)
             return await self.app(scope, replay, send)
         try:
             ctx = RouteContext(asgi.server_spec(), self.store)
@@ -123,10 +131,15 @@ class SpanMiddleware:
 
     async def _forward_to_stock_route(self, scope: dict, stock: StockRequest, receive: Callable,
                                       send: Callable) -> None:
-        """SGLang's own route serves the rewritten body; the prompt's rows wait in the request's
-        scope state until its ``generate_request`` call, where ``openai.generate_request``
-        attaches them."""
-        raw = orjson.dumps(stock.body)
-        scope = asgi.with_length(scope, len(raw))
+        """SGLang's own route serves the rewritten body, as JSON; the prompt's rows wait in the
+        request's scope state until its ``generate_request`` call, where
+        ``openai.generate_request`` attaches them."""
+        try:
+            raw = orjson.dumps(stock.body)
+        except orjson.JSONEncodeError:  # a binary body's span where this route reads none
+            response = asgi.error_response(f"{scope['path']} reads no span where this binary body "
+                                           "puts one: send the spans in its span fields")
+            return await response(scope, receive, send)
+        scope = asgi.with_length(scope, len(raw), b"application/json")
         scope.setdefault("state", {})[openai.PROMPT_ROWS_KEY] = stock.prompt_rows
         await self.app(scope, asgi.replay(raw, receive), send)

@@ -4,7 +4,8 @@
   SGLang's ``GET /get_model_info``, which a gateway forwards, carries the same under
   ``"sgl_embeds"``, so a client finds the plugin (and the hidden size) through a gateway too, in
   the call ``RuntimeEndpoint`` makes anyway.
-* ``POST /sgl_embeds/spans``: upload a span, get its handle (``handles.upload``).
+* ``POST /sgl_embeds/spans``: upload a span (a JSON or binary body), get its handle
+  (``handles.upload``).
 * ``DELETE /sgl_embeds/spans/<handle>``: drop it, here and in the scheduler (``transport.release``).
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import orjson
 from fastapi.responses import ORJSONResponse
 
-from sgl_embeds_srt import handles, parse, transport, wire
+from sgl_embeds_srt import binary_body, handles, keys, parse, transport, wire
 from sgl_embeds_srt.http import asgi
 
 PREFIX = "/sgl_embeds/"
@@ -33,6 +34,8 @@ def info(store: handles.SpanStore) -> dict:
         "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
         "max_span_bytes": parse.max_span_bytes(), "wire_dtypes": sorted(wire.DTYPES),
+        # a body may be binary (binary_body.py), and handles are keys.span_handle of this scheme
+        "binary_body": binary_body.CONTENT_TYPE, "key_scheme": keys.KEY_SCHEME,
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
         "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
         "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
@@ -49,10 +52,11 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
         response: Any = ORJSONResponse(info(store))
     elif path == handles.PATH and method == "POST":
         body, too_big = await asgi.read_body(receive, asgi.max_body_bytes())
-        payload = None if too_big else asgi.parse_json(body)
         try:
+            payload = None if too_big else asgi.parse_body(scope, body, store.budget)
             if not isinstance(payload, dict):
-                raise ValueError("the body must be a JSON object within the size limit")
+                raise ValueError("the body must be a JSON object (or a binary body, "
+                                 f"{binary_body.CONTENT_TYPE}) within the size limit")
             hidden_size = asgi.server_spec().hidden_size
             uploaded = await asyncio.to_thread(handles.upload, payload, store, hidden_size)
             response = ORJSONResponse(uploaded)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs tests on a deliberately broken build, to see that they catch the break:
+#   scripts/sabotage.sh NAME [pytest arguments]
+# applies tests/sabotage/NAME.patch, runs the tests (default: the paths whose numbers are compared
+# with HF), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
+# break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
+# Patches: rows_bf16 (span rows rounded through bfloat16 on the float32 server), rows_scaled_1pct.
+set -u
+cd "$(dirname "$0")/.."
+patch="tests/sabotage/$1.patch"
+shift
+git apply --check "$patch" || exit 2
+git apply "$patch"
+trap 'git apply -R "$patch"' EXIT
+if [ $# -eq 0 ]; then
+    set -- tests/test_engine_spans.py tests/test_handles.py tests/test_openai.py tests/test_engine_inprocess.py \
+        tests/test_engine_cache.py tests/test_vlm_parity.py tests/test_qwen_vl_spans.py tests/test_smoke.py \
+        tests/test_frontend_e2e.py tests/test_deployments.py
+fi
+if .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; then
+    echo "sabotage $patch: the tests PASSED: the break was not caught"
+    exit 1
+fi
+echo "sabotage $patch: caught (the tests failed)"

@@ -1,0 +1,209 @@
+"""The binary request body: a request's spans as raw bytes after a small JSON head.
+
+Content type ``application/x-sgl-embeds`` (``CONTENT_TYPE``), laid out as a safetensors file is::
+
+    N: u64 little-endian | head: N bytes, a JSON object (UTF-8) | buffer: the rest of the body
+
+The head is the request as its JSON form has it, except that each span's tensor object is a
+range of the buffer (offsets from the buffer's start, the rows row-major and little-endian)::
+
+    {"dtype": "bfloat16", "shape": [n, hidden], "data_offsets": [begin, end]}
+
+So no base64 and no multi-megabyte JSON string is ever built or parsed, and a decoded span is a
+view of the received body (a copy only where its range is not aligned to its dtype;
+``encode_body`` aligns every range). A range stands only where a span goes (``SPAN_FIELDS``: a
+body's top-level ``input_embeds``, or an item of its list, and ``embeds`` (an upload); and the
+span of a segment ``{"type": "embeds", "embeds": ...}`` or of a chat part ``{"type":
+"input_embeds", "input_embeds": ...}``): the decoded request is the JSON form's with tensors at
+those places, and every route reads it as it reads a JSON body.
+
+``decode_body`` checks the frame before anything is allocated: the head's length against the
+body, each range's dtype, shape and size limit (``wire.declared_size``, as for base64) against
+its length and the buffer, no two ranges overlapping; each error a ``wire.WireError`` naming the
+field. Values (NaN, Inf) are checked where every span's are, once, when the request is parsed
+(``wire.decode_tensor``). Bytes that no range covers (``encode_body``'s alignment padding) are
+ignored.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.keys import raw_bytes
+
+CONTENT_TYPE = "application/x-sgl-embeds"
+ALIGN = 64  # encode_body starts the buffer and each range at a multiple of this
+# The fields that take a span (a top-level input_embeds also a list of them); below the top, in
+# an object whose type names the field (a segment or a chat part)
+SPAN_FIELDS = ("input_embeds", "embeds")
+RANGE_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def is_binary(content_type: str | bytes | None) -> bool:
+    """Whether a ``Content-Type`` header names the binary body (parameters ignored)."""
+    if isinstance(content_type, bytes):
+        content_type = content_type.decode("latin-1")
+    return (content_type or "").split(";", 1)[0].strip().lower() == CONTENT_TYPE
+
+
+def encode_body(request: dict, dtype: str | None = None) -> tuple[bytes, str]:
+    """A request whose spans are tensors (torch or numpy, where its JSON form takes a wire
+    tensor) as a binary body, and its content type. A tensor goes in ``dtype``, by default its
+    own (float32 if it is none of ``wire.DTYPES``), as ``wire.encode_tensor`` does."""
+    buffer: list[Any] = []
+    size = 0
+
+    def as_range(x: Any) -> dict:
+        nonlocal size
+        t = wire.as_wire_tensor(x, "base64", dtype)
+        pad = -size % ALIGN
+        buffer.append(bytes(pad))
+        begin = size + pad
+        raw = raw_bytes(t)
+        if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+            raw = memoryview(np.frombuffer(raw, f"u{t.element_size()}").byteswap().tobytes())
+        buffer.append(raw)
+        size = begin + raw.nbytes
+        return {"dtype": wire.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                "data_offsets": [begin, size]}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            return as_range(value)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        return value
+
+    head = orjson.dumps(walk(request))
+    head += b" " * (-(8 + len(head)) % ALIGN)  # JSON allows trailing spaces
+    return b"".join([struct.pack("<Q", len(head)), head, *buffer]), CONTENT_TYPE
+
+
+def decode_body(body: bytes | bytearray | memoryview,
+                max_bytes: int = wire.MAX_SPAN_BYTES) -> dict:
+    """The request of a binary body, each range replaced by a tensor viewing ``body``;
+    ``max_bytes``: a span's limit, counted as float32 (as ``wire.decode_tensor``'s)."""
+    data = memoryview(body).cast("B")
+    if len(data) < 8:
+        raise wire.WireError(f"a binary body starts with the 8-byte length of its JSON head; "
+                             f"this one has {len(data)} bytes")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise wire.WireError(f"the JSON head is declared {n} bytes long, but only {len(data) - 8} "
+                             "bytes follow its length (a truncated body?)")
+    try:
+        head = orjson.loads(data[8:8 + n])
+    except orjson.JSONDecodeError as e:
+        raise wire.WireError(f"the head of a binary body is not JSON: {e}") from None
+    if not isinstance(head, dict):
+        raise wire.WireError(f"the head of a binary body must be a JSON object (the request), "
+                             f"got {type(head).__name__}")
+    start = 8 + n
+    ranges = [_checked(node, key, where, len(data) - start, max_bytes)
+              for node, key, where in _places(head)]
+    covering = sorted((r for r in ranges if r.end > r.begin), key=lambda r: r.begin)
+    for before, after in zip(covering, covering[1:]):
+        if after.begin < before.end:
+            raise wire.WireError(f"{after.where}: data_offsets {[after.begin, after.end]} overlap "
+                                 f"those of {before.where} {[before.begin, before.end]}")
+    for r in ranges:
+        r.node[r.key] = _view(data, r.dtype, r.shape, start + r.begin, r.end - r.begin)
+    return head
+
+
+@dataclass(frozen=True)
+class _Range:
+    """A span's range, checked: its place in the head (``node[key]``, ``where`` as a path), and
+    what it holds (``begin``/``end``: offsets in the buffer)."""
+
+    node: Any
+    key: Any
+    where: str
+    dtype: torch.dtype
+    shape: list[int]  # [n, hidden]
+    begin: int
+    end: int
+
+
+def _places(head: dict) -> list[tuple[Any, Any, str]]:
+    """Where each range stands in the head: (its container, its key there, its path), each
+    checked to be a span's place. Iterative: a deep head costs no recursion."""
+    found = []
+    stack: list[tuple[Any, str, bool]] = [(head, "", False)]  # (node, path, its items take spans)
+    while stack:
+        node, path, takes_spans = stack.pop()
+        is_dict = isinstance(node, dict)
+        for key, value in (node.items() if is_dict else enumerate(node)):
+            if not isinstance(value, (dict, list)):
+                continue
+            here = (f"{path}.{key}" if path else key) if is_dict else f"{path}[{key}]"
+            place = takes_spans or (is_dict and key in SPAN_FIELDS
+                                    and (node is head or node.get("type") == key))
+            if isinstance(value, dict) and "data_offsets" in value:
+                if not place:
+                    raise wire.WireError(f"{here}: a byte range stands only where a span goes "
+                                         "(top-level input_embeds or embeds, or the span of a "
+                                         '{"type": "embeds", "embeds": ...} segment or a '
+                                         '{"type": "input_embeds", "input_embeds": ...} part)')
+                found.append((node, key, here))
+            else:  # the items of a list at a span's place take spans (a batch of input_embeds)
+                stack.append((value, here, place and is_dict and isinstance(value, list)))
+    return found
+
+
+def _checked(node: Any, key: Any, where: str, buffer_size: int, max_bytes: int) -> _Range:
+    """The range at ``node[key]``, checked against the buffer's size and the span limit."""
+    ref = node[key]
+    unknown = set(ref) - RANGE_KEYS
+    if unknown:
+        raise wire.WireError(f"{where}: unknown keys in a byte range: {sorted(unknown)} "
+                             f"(a range has {sorted(RANGE_KEYS)})")
+    try:
+        shape, nbytes = wire.declared_size(ref.get("dtype"), ref.get("shape"), max_bytes)
+    except wire.WireError as e:
+        raise wire.WireError(f"{where}: {e}") from None
+    offsets = ref["data_offsets"]
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise wire.WireError(f"{where}: data_offsets must be [begin, end] of ints with "
+                             f"0 <= begin <= end, got {offsets!r}")
+    begin, end = offsets
+    if end - begin != nbytes:
+        raise wire.WireError(f"{where}: data_offsets {offsets} hold {end - begin} bytes, but shape "
+                             f"{shape} of {ref['dtype']} needs {nbytes}")
+    if end > buffer_size:
+        raise wire.WireError(f"{where}: data_offsets {offsets} end past the {buffer_size} bytes "
+                             "after the head (a truncated body?)")
+    return _Range(node, key, where, wire.DTYPES[ref["dtype"]], shape, begin, end)
+
+
+def _view(data: memoryview, dtype: torch.dtype, shape: list[int], offset: int,
+          nbytes: int) -> torch.Tensor:
+    """The tensor at ``data[offset:offset + nbytes]``: a view where the bytes are aligned to the
+    dtype on a little-endian host, else a copy."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        swapped = np.frombuffer(data, f"<u{dtype.itemsize}", nbytes // dtype.itemsize, offset)
+        return torch.from_numpy(swapped.astype(f"=u{dtype.itemsize}")).view(dtype).reshape(shape)
+    address = np.frombuffer(data, np.uint8, 1, offset).ctypes.data
+    if address % dtype.itemsize:
+        return torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=dtype).reshape(shape)
+    # A view of the body (no copy): spans are only ever read; the engine copies them when it
+    # converts or concatenates rows, and the span store keeps a copy.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize,
+                                offset=offset).reshape(shape)

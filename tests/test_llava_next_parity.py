@@ -1,0 +1,156 @@
+"""Split tiny LLaVA-NeXT and LLaVA-OneVision checkpoints, each served as its LLM by a real SGLang
+server, plus the client-side any-resolution vision half (``AnyresEncoder``): greedy tokens and
+their logprobs equal HF's ``generate(pixel_values=..., image_sizes=...)`` on the same checkpoint
+(float32), for images of several sizes and aspect ratios, two images in one prompt, a box and a
+mask, through ``/generate`` segments and through ``@sgl.function`` programs with ``sgl.image`` /
+``sgl.region`` via ``EmbedsEndpoint``."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import sglang as sgl
+from PIL import Image
+
+import helpers
+import sgl_embeds
+from sgl_embeds import EmbedsEndpoint
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.encoders import scene_disc_mask, synthetic_scene
+from sgl_embeds.testing.qwen_vl import sample_images
+from sgl_embeds.vision import mask_image, region_image
+from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
+
+pytestmark = pytest.mark.server  # the servers are looked up by name in the fixture below
+MAX_TOKENS = 10
+MIN_COMPARED = 8
+
+
+def _question(text: str, images: int = 1) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+
+def _images() -> dict[str, Image.Image]:
+    """Sizes that pick different pinpoints, tile counts and unpadding (width x height)."""
+    pictures = sample_images()
+    return {"wide": pictures["stripes"],  # 120x48
+            "tall": pictures["disc"],  # 64x96
+            "square": pictures["square"],  # 56x56
+            "tiny": helpers.random_image(9, 7),
+            "above the largest pinpoint": synthetic_scene(400, 150)}
+
+
+class VLM:
+    """A split checkpoint of one family (``llava_dirs``) behind the pool's server of its LLM, the
+    client's vision half, and the helpers every test below uses."""
+
+    def __init__(self, family: str, llava_dirs, server):
+        self.checkpoint, self.split_dir = llava_dirs(family)
+        self.server, self.encoder = server, load_encoder(self.split_dir / "vision", device="cpu")
+        self.backend = EmbedsEndpoint(server.url, vision_encoder=self.encoder)
+
+    def text(self, question: str, images: int = 1) -> str:
+        return render_chat(self.split_dir / "vision", _question(question, images))
+
+    def generate(self, text: str, images: list[Image.Image]) -> dict:
+        """``/generate`` with the text around each image token and the encoder's rows of each
+        image as a span where the token stands."""
+        pieces = text.split(self.encoder.image_token)
+        assert len(pieces) == len(images) + 1, text
+        segments = [helpers.text(pieces[0])]
+        for image, piece in zip(images, pieces[1:]):
+            rows = self.encoder(image)
+            assert len(rows) == self.encoder.rows_for(*image.size)
+            segments += [helpers.span(rows), helpers.text(piece)]
+        return helpers.generate(self.server, helpers.body(segments, MAX_TOKENS, return_logprob=True))
+
+    def run(self, text: str, program_images: list) -> dict:
+        """The program's answer, checked equal to that of the same segments sent by
+        ``EmbedsEndpoint.run``, whose output (ids and logprobs) is returned."""
+        state = ask.run(text=text, images=program_images, image_token=self.encoder.image_token,
+                        backend=self.backend)
+        sent = sgl_embeds.compile_program(ask, like=self.backend, text=text, images=program_images,
+                                          image_token=self.encoder.image_token)[0]
+        direct = self.backend.run(input_segments=sent, return_logprob=True,
+                                  sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+        assert state["answer"] == direct["text"]
+        return direct
+
+    def check(self, out: dict, text: str, hf_images: list, label: str) -> list[int]:
+        """Our tokens vs HF's on ``hf_images`` (near-tie rule), and their logprobs; returns HF's
+        reference tokens."""
+        greedy = functools.partial(ref.llava_greedy, self.checkpoint, text, hf_images, MAX_TOKENS)
+        eos = ref.eos_ids(ref.hf_llava(str(self.checkpoint))[0])
+        return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED).tokens
+
+
+@sgl.function
+def ask(s, text, images, image_token):
+    s += image_prompt(text, images, image_token)
+    s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+
+@pytest.fixture(scope="module", params=["llava_next", "llava_onevision"])
+def vlm(request, llava_dirs):
+    return VLM(request.param, llava_dirs, request.getfixturevalue(f"{request.param}_server"))
+
+
+def test_images_of_several_sizes_through_generate_segments_match_hf(vlm):
+    text = vlm.text("what is the color of the object")
+    references = {name: vlm.check(vlm.generate(text, [image]), text, [image], f"/generate {name}")
+                  for name, image in _images().items()}
+    assert len({tuple(r) for r in references.values()}) == len(references), (
+        f"the image must change the answer: {references}")
+
+
+def test_a_program_with_sgl_image_matches_hf(vlm):
+    text = vlm.text("what is the color of the object")
+    for name in ("wide", "tall"):
+        image = _images()[name]
+        vlm.check(vlm.run(text, [image]), text, [image], f"program {name}")
+
+
+def test_two_images_in_one_prompt_match_hf(vlm):
+    """Each image tiled on its own, as HF's processor does for a flat list of images."""
+    images = _images()
+    tall, wide = images["tall"], images["wide"]
+    text = vlm.text("which is brighter", images=2)
+    first = vlm.check(vlm.run(text, [tall, wide]), text, [tall, wide], "two images, program")
+    vlm.check(vlm.generate(text, [tall, wide]), text, [tall, wide], "two images, /generate")
+    swapped = ref.llava_greedy(vlm.checkpoint, text, [wide, tall], MAX_TOKENS).tokens
+    assert first != swapped, "the order of the images must change the answer"
+
+
+def test_a_box_and_a_mask_match_hf_on_what_they_show(vlm):
+    """``sgl.region(box)``: HF on the crop; ``sgl.region(mask)``: HF on the mask's bounding box
+    with the outside in the processor's mean colour. Each tiled as a whole image of its size."""
+    scene, box, mask = synthetic_scene(), (4, 4, 40, 36), scene_disc_mask()
+    shown = {"box": scene.crop(box), "mask": mask_image(scene, mask, vlm.encoder.mean_color)}
+    assert region_image(scene, mask, vlm.encoder).tobytes() == shown["mask"].tobytes()
+    assert tuple(np.asarray(shown["mask"])[0, 0]) == vlm.encoder.mean_color
+    text = vlm.text("describe this region")
+    answers = {name: vlm.check(vlm.run(text, [sgl.region(region, scene)]), text, [shown[name]], name)
+               for name, region in (("box", box), ("mask", mask))}
+    others = {"the whole image": [scene], "the mask's box": [scene.crop((56, 34, 85, 63))]}
+    for name, images in others.items():
+        assert ref.llava_greedy(vlm.checkpoint, text, images, MAX_TOKENS).tokens not in answers.values(), name
+
+
+def test_a_repeated_image_is_encoded_once_and_its_rows_hit_the_prefix_cache(vlm):
+    """Three questions about an image: one tower run (the encoder cache), and the server's
+    prefix cache holds the text before the image and all of the image's rows."""
+    image = _images()["above the largest pinpoint"]
+    stats = vlm.backend.encoder_cache.stats()
+    cached = []
+    for question in ("what is it", "is it dark", "describe it"):
+        state = ask.run(text=vlm.text(question), images=[image], image_token=vlm.encoder.image_token,
+                        backend=vlm.backend)
+        cached.append(state.get_meta_info("answer")["cached_tokens"])
+    now = vlm.backend.encoder_cache.stats()
+    assert now["misses"] - stats["misses"] <= 1 and now["hits"] - stats["hits"] >= 2
+    before_image = vlm.text("x").split(vlm.encoder.image_token)[0]
+    prefix = len(ref.hf_tokenizer(str(vlm.split_dir / "llm")).encode(before_image))
+    rows = vlm.encoder.rows_for(*image.size)
+    assert all(c >= prefix + rows for c in cached[1:]), (cached, prefix, rows)
