@@ -4,7 +4,8 @@
 # applies tests/sabotage/NAME.patch, runs the tests (default: the paths whose numbers are compared
 # with HF), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
 # break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
-# Patches: rows_bf16 (span rows rounded through bfloat16 on the float32 server), rows_scaled_1pct.
+# Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
+# rows_scaled_1pct, and breaks of the LLaVA-NeXT / OneVision vision half (anyres_*, siglip_*).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -105,10 +105,10 @@ def test_the_budget_bounds_what_the_scheduler_holds(held):
     # span-0 was let go when span-2 came; the scheduler drops it with the next send
     out = link.send(request([(spans["span-1"], "span-1"), (spans["span-0"], "span-0")]))[0]
     assert torch.equal(out.embeds, torch.cat([spans["span-1"], spans["span-0"]]))
-    assert held.sizes()[0] <= 2 and link.http.stats()["held_bytes"] <= link.http.budget
+    assert held.sizes()[0] == 2 and link.http.stats()["held_bytes"] == link.http.budget  # span-1 and span-0
     for h in ["span-2", "span-0", "span-1", "span-2"]:  # every order keeps both sides in step
         assert torch.equal(link.send(request([(spans[h], h)]))[0].embeds, spans[h])
-    assert held.sizes()[0] <= 3
+    assert held.sizes()[0] == 2  # exactly what the HTTP side keeps: the budget
 
 
 def test_a_span_over_the_budget_is_still_held_alone(held):
