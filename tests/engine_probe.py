@@ -71,10 +71,10 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
             segments = [{"type": "text", "text": before + VISION_START},
                         {"type": "embeds", "embeds": rows, "image_grid_thw": list(grid)},
                         {"type": "text", "text": VISION_END + after}]
-            first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True)
+            first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
             again = eng.generate(input_segments=segments, sampling_params=sp)
-            out[name] = {"ids": first["output_ids"], "again_ids": again["output_ids"],
-                         "logprobs": [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]],
+            numbers = {k: first["meta_info"][k] for k in ("output_token_logprobs", "output_top_logprobs")}
+            out[name] = {"ids": first["output_ids"], "again_ids": again["output_ids"], "meta_info": numbers,
                          "cached": again["meta_info"]["cached_tokens"], "prompt": again["meta_info"]["prompt_tokens"]}
         try:
             eng.generate(input_segments=[{"type": "text", "text": before + VISION_START},
