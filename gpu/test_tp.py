@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import body, generate, reference_embeds, to_segments  # noqa: E402
+from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, to_segments, with_other_spans  # noqa: E402
 from sgl_embeds.testing import reference as ref  # noqa: E402
 from sgl_embeds.testing.models import tiny_model_dir  # noqa: E402
 from sgl_embeds.testing.server import Server  # noqa: E402
@@ -22,7 +22,9 @@ def test_tp2_span_prompts_match_hf_and_cache():
     model = tiny_model_dir("llama")
     parts = ["the quick fox", torch.randn(9, 64, generator=torch.Generator().manual_seed(3)) * 0.05, " is"]
     with Server(model, extra_args=["--tp-size", "2"]) as s:
-        first = generate(s, body(to_segments(parts), 8))
-        again = generate(s, body(to_segments(parts), 8))
-    ref.assert_matches_hf(first["output_ids"], model, reference_embeds(model, parts), 8)
-    assert again["meta_info"]["cached_tokens"] >= 9
+        first = generate(s, body(to_segments(parts), 8, **LOGPROBS))
+        again = generate(s, body(to_segments(parts), 8, **OUTPUT_LOGPROBS))  # input logprobs bypass the cache
+    # tokens and logprobs against HF, whose answer must change with the span
+    ref.assert_matches_hf(first, model, reference_embeds(model, parts), 8, "tp2: ",
+                          other_span_embeds=reference_embeds(model, with_other_spans(parts)))
+    assert again["output_ids"] == first["output_ids"] and again["meta_info"]["cached_tokens"] >= 9

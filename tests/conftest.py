@@ -1,8 +1,11 @@
 """Shared fixtures: test models built once per run, one real SGLang server per configuration.
 
 Shared servers live in one session pool (``servers``): each starts when a test first needs it,
-those a test needs together start together, and all stop together at the end, by their own pids.
-Tests that use a server are marked ``server``; the quick edit-test loop is ``pytest -m "not server"``.
+those a test needs together start together, at most ``MAX_RUNNING`` run at once (the least
+recently used stop to make room, and restart on the same port when needed again), and all stop
+together at the end, by their own pids. Before each test, the pooled servers its fixtures name
+(``<name>_server``, ``gateway``) are made to run. Tests that use a server are marked ``server``;
+the quick edit-test loop is ``pytest -m "not server"``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model
 from sgl_embeds.testing.qwen_vl import poisoned_vision_dir, tiny_qwen2_5_vl_dir
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
+
+# Each server holds ~2 GB (its three processes) and a test may start more of its own: four pooled
+# servers leave room for those in 24 GB and keep restarts rare in file order
+MAX_RUNNING = 4
+POOL_KEY = pytest.StashKey[ServerPool]()
+GATEWAY_WORKERS = ("gateway_worker_0", "gateway_worker_1")
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -75,9 +84,8 @@ def llava_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def servers(llava_dirs):
-    """The session's servers by name, each started when a test first asks for it (several asked
-    for at once start together) and all stopped together at the end."""
+def servers(llava_dirs, pytestconfig):
+    """The session's pool of servers by name (``servers.get(*names)``)."""
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
         # allowed whitespace until max_new_tokens (tests/test_compat_constrained.py)
@@ -101,13 +109,15 @@ def servers(llava_dirs):
         # pool of 256 positions, so that concurrent requests retract
         "qwen_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_5_vl_dir()),
                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
-    })
+    }, max_running=MAX_RUNNING)
+    pytestconfig.stash[POOL_KEY] = pool
     yield pool
     pool.stop()
 
 
 def _pooled(name: str):
-    """The session fixture ``<name>_server``: the pool's server ``name``."""
+    """The session fixture ``<name>_server``: the pool's server ``name`` (the same object all
+    session; ``pytest_runtest_setup`` has it running for each test that names it)."""
 
     @pytest.fixture(scope="session", name=f"{name}_server")
     def server(servers):
@@ -116,17 +126,17 @@ def _pooled(name: str):
     return server
 
 
+POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next", "llava_onevision",
+          "qwen_vl", "qwen_vl_spans"]
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
- llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server) = map(
-    _pooled, ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next",
-              "llava_onevision", "qwen_vl", "qwen_vl_spans"])
+ llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server) = map(_pooled, POOLED)
 
 
 @pytest.fixture(scope="session")
 def gateway(servers):
     """SGLang's gateway (smg, cache-aware policy) in front of two plugin workers of its own: the
     gateway's ``url`` and its ``workers`` (``Server`` objects)."""
-    workers = servers.get("gateway_worker_0", "gateway_worker_1")
+    workers = servers.get(*GATEWAY_WORKERS)
     gw = Gateway([w.url for w in workers]).start()
     gw.workers = workers
     yield gw
@@ -142,6 +152,23 @@ def llava_llama(llava_dirs):
 @pytest.fixture(scope="session")
 def llava_qwen(llava_dirs):
     return llava_dirs("qwen2")
+
+
+def _pooled_names(item) -> list[str]:
+    fixtures = getattr(item, "fixturenames", ())
+    names = [name.removesuffix("_server") for name in fixtures if name.endswith("_server")]
+    return [name for name in names if name in POOLED] + (list(GATEWAY_WORKERS) if "gateway" in fixtures else [])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: the pooled servers it names run (once the pool exists; the
+    first test to name one starts the pool through its fixtures)."""
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        pool.begin_test()
+        if names := _pooled_names(item):
+            pool.get(*names)
 
 
 def pytest_collection_modifyitems(items):

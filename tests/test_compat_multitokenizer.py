@@ -14,7 +14,8 @@ from helpers import body, generate, seeded_rows, span, text
 
 
 @pytest.fixture(scope="module")
-def multi_tokenizer_server(llama_dir):
+def multi_tokenizer_server(llama_dir, servers):
+    servers.make_room(1)
     server = helpers.start_multi_tokenizer(llama_dir, ["--enable-cache-report"])
     yield server
     server.stop()

@@ -19,8 +19,9 @@ PAGE_SIZES = (16, 4)
 
 
 @pytest.fixture(scope="module")
-def paged_servers(llama_dir):
+def paged_servers(llama_dir, servers):
     """A server per page size, started together."""
+    servers.make_room(len(PAGE_SIZES))
     servers = start_all([Server(llama_dir, extra_args=["--page-size", str(page), "--enable-cache-report"]) for page in PAGE_SIZES])
     yield dict(zip(PAGE_SIZES, servers))
     stop_all(servers)

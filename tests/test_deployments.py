@@ -21,7 +21,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def deployments(llama_dir):
+def deployments(llama_dir, servers):
+    servers.make_room(3)  # the data-parallel server runs a scheduler per rank
     # on CPU each data-parallel rank needs its own cores (one NUMA node here): one core each
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if on_cpu() else {}
     keyed_dp = Server(llama_dir, extra_args=["--api-key", KEY, "--dp-size", "2", "--load-balance-method", "round_robin"], env=env)

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def probe(llama_dir):
+def probe(llama_dir, servers):
+    servers.make_room(1)  # the child's engine
     script = Path(__file__).with_name("engine_probe.py")
     done = subprocess.run([sys.executable, str(script), str(llama_dir)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

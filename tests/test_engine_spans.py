@@ -24,11 +24,10 @@ def _random_prompt(seed: int) -> list:
     return parts
 
 
-@pytest.mark.server  # the server fixture is looked up by name below
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_spans_match_hf_generate(arch, seed, request):
-    server = request.getfixturevalue(f"{'llama' if arch == 'llama' else 'qwen'}_server")
+def test_random_spans_match_hf_generate(arch, seed, servers):
+    server = servers.get("llama" if arch == "llama" else "qwen")[0]
     model_dir = server.model_dir
     parts = _random_prompt(seed * 7 + (arch == "qwen2"))
     out = generate(server, body(to_segments(parts), max_new_tokens=12, **LOGPROBS))

@@ -16,7 +16,8 @@ from sgl_embeds.testing.server import Server, free_port
 pytestmark = pytest.mark.server
 
 
-def test_restart_mid_workload(llama_dir):
+def test_restart_mid_workload(llama_dir, servers):
+    servers.make_room(1)
     port = free_port()
     parts = [text("the fox"), span(seeded_rows(5, 5)), text(" is")]
     first = Server(llama_dir, port=port).start()

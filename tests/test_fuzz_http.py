@@ -34,7 +34,7 @@ GRID_ROUTES = {
     "/v1/chat/completions#grid": lambda p, g: {"model": "default", "max_tokens": 1, "messages": [
         {"role": "user", "content": [{"type": "input_embeds", "input_embeds": p, "image_grid_thw": g}]}]},
 }
-SERVERS = ["llama_server", "qwen_vl_spans_server"]
+SERVERS = ["llama", "qwen_vl_spans"]
 EXAMPLES = 100
 SEEN: dict[str, dict[int, int]] = {name: {} for name in SERVERS}
 GRID_REFUSALS: list[str] = []  # 400s about a grid the server could decode: the grid checks ran
@@ -50,9 +50,9 @@ def _post(server, route: str, body: dict) -> requests.Response:
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_span_fields_never_cause_a_server_error(request, server_name, data):
-    server = request.getfixturevalue(server_name)
-    routes = {**ROUTES, **GRID_ROUTES} if server_name == "qwen_vl_spans_server" else ROUTES
+def test_random_span_fields_never_cause_a_server_error(servers, server_name, data):
+    server = servers.get(server_name)[0]
+    routes = {**ROUTES, **GRID_ROUTES} if server_name == "qwen_vl_spans" else ROUTES
     route = data.draw(st.sampled_from(sorted(routes)), "route")
     build = routes[route]
     payload = data.draw(st.one_of(good_rows, payloads) if route in GRID_ROUTES else payloads, "payload")
@@ -67,10 +67,10 @@ def test_random_span_fields_never_cause_a_server_error(request, server_name, dat
 
 
 @pytest.mark.parametrize("server_name", SERVERS)
-def test_the_server_still_serves_after_the_fuzzing(request, server_name):
-    server = request.getfixturevalue(server_name)
+def test_the_server_still_serves_after_the_fuzzing(servers, server_name):
+    server = servers.get(server_name)[0]
     assert sum(SEEN[server_name].values()) == EXAMPLES, SEEN  # every example was sent (and answered)
-    if server_name == "qwen_vl_spans_server":
+    if server_name == "qwen_vl_spans":
         assert GRID_REFUSALS, "no example reached the grid checks"
     assert server.alive()
     r = server.generate({"text": "the red fox", "sampling_params": {"max_new_tokens": 2}})

@@ -26,8 +26,8 @@ def _hostile(vocab: int) -> list:
 
 # a valid span prompt start on each server: a plain span, or an image span (grid 1x4x4: 4 rows)
 SPAN_STARTS = {
-    "llama_server": [text("the"), span(seeded_rows(1, 3))],
-    "qwen_vl_spans_server": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]}],
+    "llama": [text("the"), span(seeded_rows(1, 3))],
+    "qwen_vl_spans": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]}],
 }
 
 
@@ -58,10 +58,10 @@ def _alive(server) -> None:
 
 
 @pytest.mark.parametrize("server_name", sorted(SPAN_STARTS))
-def test_boundary_ids_get_4xx_and_never_take_the_server_down(request, server_name):
-    server = request.getfixturevalue(server_name)
+def test_boundary_ids_get_4xx_and_never_take_the_server_down(servers, server_name):
+    server = servers.get(server_name)[0]
     vocab = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"]
-    if server_name == "llama_server":
+    if server_name == "llama":
         assert vocab == VOCAB
     unnamed = []  # refusals that do not say where the bad id stands
     for bad in _hostile(vocab):

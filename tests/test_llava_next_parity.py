@@ -23,7 +23,6 @@ from sgl_embeds.testing.qwen_vl import sample_images
 from sgl_embeds.vision import mask_image, region_image
 from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
 
-pytestmark = pytest.mark.server  # the servers are looked up by name in the fixture below
 MAX_TOKENS = 10
 MIN_COMPARED = 8
 
@@ -47,7 +46,7 @@ class VLM:
     client's vision half, and the helpers every test below uses."""
 
     def __init__(self, family: str, llava_dirs, server):
-        self.checkpoint, self.split_dir = llava_dirs(family)
+        self.family, (self.checkpoint, self.split_dir) = family, llava_dirs(family)
         self.server, self.encoder = server, load_encoder(self.split_dir / "vision", device="cpu")
         self.backend = EmbedsEndpoint(server.url, vision_encoder=self.encoder)
 
@@ -93,8 +92,13 @@ def ask(s, text, images, image_token):
 
 
 @pytest.fixture(scope="module", params=["llava_next", "llava_onevision"])
-def vlm(request, llava_dirs):
-    return VLM(request.param, llava_dirs, request.getfixturevalue(f"{request.param}_server"))
+def vlm(request, llava_dirs, servers):
+    return VLM(request.param, llava_dirs, servers.get(request.param)[0])
+
+
+@pytest.fixture(autouse=True)
+def _vlm_server_runs(vlm, servers):
+    servers.get(vlm.family)  # the pool may have stopped it since the module's fixture was made
 
 
 def test_images_of_several_sizes_through_generate_segments_match_hf(vlm):

@@ -275,10 +275,11 @@ def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server
     assert res.status_code == 400 and "image token(s)" in res.json()["message"], res.text
 
 
-def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir):
+def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
     """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor,
     on an engine whose vision weights are NaN (a child process: ``tests/engine_probe.py``):
     HF's tokens and logprobs, a repeat cached, a bad grid a ``ValueError``."""
+    servers.make_room(1)  # the child's engine
     text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
     script = Path(__file__).with_name("engine_probe.py")
     done = subprocess.run([sys.executable, str(script), str(poisoned_vision_dir(qwen_vl_dir)), str(qwen_vl_dir), text],
@@ -342,10 +343,11 @@ def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwe
     assert run["output_ids"] == first["output_ids"]
 
 
-def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir):
+def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir, servers):
     """Two HTTP worker processes (``--tokenizer-worker-num 2``) in front of one scheduler, on the
     NaN-tower checkpoint: both answer with the vision block, and image spans sent to them
     concurrently all equal HF (inline, and by handle where the worker kept the span)."""
+    servers.make_room(1)
     server = helpers.start_multi_tokenizer(poisoned_vision_dir(qwen_vl_dir),
                                            [*QWEN_VL_ARGS, "--skip-server-warmup"])
     try:

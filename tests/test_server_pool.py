@@ -54,3 +54,45 @@ def test_a_failed_start_stops_the_servers_started_with_it():
     with pytest.raises(ServerStartError, match="bad failed"):
         pool.get("ok", "bad")
     assert ("ask", "ok") in log and ("wait", "ok") in log and pool.running == {}
+
+
+def test_at_most_max_running_run_and_the_least_recently_used_idle_one_stops_first():
+    log: list = []
+    pool = ServerPool({name: (lambda name=name: RecordingServer(name, log)) for name in "abcd"}, max_running=2)
+    a, _ = pool.get("a", "b")
+    pool.begin_test()
+    pool.get("a")  # a is now more recently used than b
+    pool.begin_test()
+    log.clear()
+    pool.get("c")
+    assert log == [("ask", "b"), ("wait", "b"), ("start", "c")] and list(pool.running) == ["a", "c"]
+    pool.begin_test()
+    log.clear()
+    assert pool.get("a")[0] is a and log == []  # running: not started again
+    pool.begin_test()
+    pool.get("b")  # b restarts as the same object (same port), c stops for it
+    assert pool.made["b"] is pool.running["b"] and list(pool.running) == ["a", "b"]
+
+
+def test_servers_the_current_test_asked_for_are_never_stopped_to_make_room():
+    log: list = []
+    pool = ServerPool({name: (lambda name=name: RecordingServer(name, log)) for name in "abc"}, max_running=1)
+    pool.begin_test()
+    pool.get("a")
+    pool.get("b")  # the same test: a stays, though that exceeds max_running
+    pool.make_room(1)  # a test's own server: nothing of this test stops for it
+    assert list(pool.running) == ["a", "b"] and ("ask", "a") not in log
+    pool.begin_test()
+    pool.make_room(1)
+    assert pool.running == {}
+
+
+def test_a_server_that_failed_to_start_fails_later_gets_without_starting_again():
+    log: list = []
+    pool = ServerPool({"bad": lambda: RecordingServer("bad", log, fails=True)})
+    with pytest.raises(ServerStartError, match="bad failed"):
+        pool.get("bad")
+    log.clear()
+    with pytest.raises(ServerStartError, match="failed to start earlier"):
+        pool.get("bad")
+    assert log == []

@@ -18,7 +18,6 @@ from sgl_embeds.testing.encoders import synthetic_scene
 from sgl_embeds.vision import mask_image
 from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
 
-pytestmark = pytest.mark.server  # the servers are looked up by name in the fixture below
 MAX_TOKENS = 10
 MIN_COMPARED = 8
 
@@ -45,8 +44,8 @@ def ask(s, text, images, image_token):
 class VLM:
     """One split checkpoint behind one server, and the helpers every test below uses."""
 
-    def __init__(self, checkpoint, split_dir, server):
-        self.checkpoint, self.split_dir = checkpoint, split_dir
+    def __init__(self, server_name: str, checkpoint, split_dir, server):
+        self.server_name, self.checkpoint, self.split_dir = server_name, checkpoint, split_dir
         self.encoder = load_encoder(split_dir / "vision", device="cpu")
         self.backend = EmbedsEndpoint(server.url, vision_encoder=self.encoder)
 
@@ -74,11 +73,14 @@ class VLM:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def vlm(request):
-    names = {"llama": ("llava_llama", "llava_llama_server"), "qwen2": ("llava_qwen", "llava_qwen_server")}
-    split_fixture, server_fixture = names[request.param]
-    checkpoint, split_dir = request.getfixturevalue(split_fixture)
-    return VLM(checkpoint, split_dir, request.getfixturevalue(server_fixture))
+def vlm(request, llava_dirs, servers):
+    name = {"llama": "llava_llama", "qwen2": "llava_qwen"}[request.param]
+    return VLM(name, *llava_dirs(request.param), servers.get(name)[0])
+
+
+@pytest.fixture(autouse=True)
+def _vlm_server_runs(vlm, servers):
+    servers.get(vlm.server_name)  # the pool may have stopped it since the module's fixture was made
 
 
 def test_whole_images_match_hf_llava(vlm):

@@ -171,11 +171,16 @@ class Server:
         return requests.post(self.url + "/generate", json=body, timeout=timeout)
 
 
-def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[Server]:
-    """Start several servers at once (their startups overlap); all stopped if one fails."""
+def start_each(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[BaseException | None]:
+    """Start several servers at once (their startups overlap): each one's error, or None."""
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
         futures = [pool.submit(s.start, timeout) for s in servers]
-        errors = [f.exception() for f in futures]
+        return [f.exception() for f in futures]
+
+
+def start_all(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[Server]:
+    """Start several servers at once; all stopped if one fails."""
+    errors = start_each(servers, timeout)
     if any(errors):
         stop_all(servers)
         raise next(e for e in errors if e)
@@ -189,20 +194,57 @@ def stop_all(servers: list[Server]) -> None:
 
 
 class ServerPool:
-    """Servers by name, each started at most once and kept until ``stop``: ``get`` starts the
-    ones of its names not yet running together (their startups overlap), ``stop`` stops all
-    together. ``makers`` builds each named ``Server`` (unstarted) when it is first asked for."""
+    """Servers by name, started when first asked for and kept for later tests, at most
+    ``max_running`` at a time (each SGLang server holds ~2 GB and some CPU even when idle).
 
-    def __init__(self, makers: dict[str, Callable[[], Server]]):
+    ``get`` starts the ones of its names not running, together (their startups overlap), after
+    stopping the least recently used ones that no part of the current test asked for (``begin_test``
+    starts a test). A stopped server keeps its object and port and restarts in place when asked for
+    again, so URLs handed out earlier stay good. A server that failed to start fails every later
+    ``get`` at once, rather than spending another start timeout per test. ``makers`` builds each
+    named ``Server`` (unstarted) when it is first asked for."""
+
+    def __init__(self, makers: dict[str, Callable[[], Server]], max_running: int | None = None):
         self.makers = makers
-        self.running: dict[str, Server] = {}
+        self.max_running = max_running
+        self.made: dict[str, Server] = {}
+        self.running: dict[str, Server] = {}  # least recently used first
+        self.failed: dict[str, BaseException] = {}
+        self.in_use: set[str] = set()  # asked for by the current test: never stopped to make room
+
+    def begin_test(self) -> None:
+        self.in_use = set()
 
     def get(self, *names: str) -> list[Server]:
+        self.in_use.update(names)
+        for name in names:
+            if name in self.failed:
+                raise ServerStartError(f"server {name!r} failed to start earlier in this session") from self.failed[name]
         missing = [name for name in names if name not in self.running]
         if missing:
-            started = start_all([self.makers[name]() for name in missing])
-            self.running.update(zip(missing, started))
+            self.make_room(len(missing))
+            for name in missing:
+                if name not in self.made:
+                    self.made[name] = self.makers[name]()
+            servers = [self.made[name] for name in missing]
+            errors = start_each(servers)
+            if any(errors):
+                stop_all(servers)
+                self.failed.update((name, e) for name, e in zip(missing, errors) if e)
+                raise next(e for e in errors if e)
+            self.running.update(zip(missing, servers))
+        for name in names:  # now the most recently used
+            self.running[name] = self.running.pop(name)
         return [self.running[name] for name in names]
+
+    def make_room(self, count: int) -> None:
+        """Stop the least recently used servers the current test did not ask for until ``count``
+        more fit under ``max_running`` (for servers of the pool, or a test's own)."""
+        if self.max_running is None:
+            return
+        idle = [name for name in self.running if name not in self.in_use]
+        excess = len(self.running) + count - self.max_running
+        stop_all([self.running.pop(name) for name in idle[:max(excess, 0)]])
 
     def stop(self) -> None:
         stop_all(list(self.running.values()))
