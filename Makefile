@@ -2,7 +2,7 @@
 # (idempotent: a second run only checks what is installed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick bench
+.PHONY: setup demo test test-quick notebooks bench
 
 setup:
 	@bash scripts/setup.sh
@@ -15,3 +15,7 @@ test: setup
 
 test-quick: setup
 	$(PY) -m pytest -q -m "not server"
+
+# the tutorials in examples/ run and saved with their outputs (tests/test_examples.py checks them)
+notebooks: setup
+	$(PY) scripts/refresh_notebooks.py

@@ -5,7 +5,8 @@
 # with HF), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
 # break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
 # Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
-# rows_scaled_1pct, and breaks of the LLaVA-NeXT / OneVision vision half (anyres_*, siglip_*).
+# rows_scaled_1pct, spans_zeroed (every span all zeros: tests/test_examples.py must fail on each
+# notebook), and breaks of the LLaVA-NeXT / OneVision vision half (anyres_*, siglip_*).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

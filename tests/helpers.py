@@ -57,12 +57,7 @@ def generate(server, payload: dict) -> dict:
     return r.json()
 
 
-def reference_embeds(model_dir, parts: list) -> torch.Tensor:
-    """The concatenated embeddings the model sees for a list of str / tensor parts."""
-    rows = []
-    for i, p in enumerate(parts):
-        rows.append(ref.text_embeds(model_dir, p, first=(i == 0)) if isinstance(p, str) else p.float())
-    return torch.cat(rows)
+reference_embeds = ref.prompt_embeds
 
 
 def with_other_spans(parts: list, seed: int = 1000) -> list:

@@ -10,10 +10,11 @@ degenerate and, given the same prompt with another span, that the span changes i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Iterator
 
 import pytest
 import torch
@@ -118,6 +119,13 @@ def text_embeds(model_dir: str | Path, text: str, first: bool) -> torch.Tensor:
     """Embedding rows of ``text`` tokenized as sgl_embeds does (specials only on the first segment)."""
     tok = hf_tokenizer(str(model_dir))
     return embed_ids(model_dir, tok.encode(text, add_special_tokens=first))
+
+
+def prompt_embeds(model_dir: str | Path, parts: list) -> torch.Tensor:
+    """The embedding rows the model sees for a prompt of str / tensor parts, in order."""
+    rows = [text_embeds(model_dir, part, first=(i == 0)) if isinstance(part, str) else part.float()
+            for i, part in enumerate(parts)]
+    return torch.cat(rows)
 
 
 # -- the comparison ---------------------------------------------------------------------------
@@ -278,10 +286,17 @@ def llava_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens
     return _greedy_from_scores(out.sequences, out.scores)
 
 
-@pytest.fixture(autouse=True)
-def at_most_one_forgiven_near_tie_per_test():
-    """A test may forgive one near-tie against HF in all the sequences it compares, not one each
-    (imported by tests/conftest.py and gpu/conftest.py)."""
+@contextlib.contextmanager
+def at_most_one_forgiven_near_tie() -> Iterator[None]:
+    """The comparisons inside may forgive one near-tie against HF in all the sequences they
+    compare, not one each (a test's whole body, or a tutorial's cell)."""
     FORGIVEN.clear()
     yield
-    assert len(FORGIVEN) <= 1, f"more than one near-tie forgiven in this test: {FORGIVEN}"
+    assert len(FORGIVEN) <= 1, f"more than one near-tie forgiven: {FORGIVEN}"
+
+
+@pytest.fixture(autouse=True)
+def at_most_one_forgiven_near_tie_per_test():
+    """Imported by tests/conftest.py and gpu/conftest.py."""
+    with at_most_one_forgiven_near_tie():
+        yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -57,10 +58,24 @@ def default_launch_args(dtype: str = "float32") -> list[str]:
     return cpu_launch_args(dtype) if on_cpu() else ["--dtype", dtype]
 
 
+# Ports for our servers, gateways and event sockets: below SGLang's own (22000-29999, for its
+# schedulers' process groups) with room for the ports a server derives from its own (+233..+239),
+# and below the kernel's ephemeral range (32768+), from which every outgoing connection takes its
+# local port: one of those holding a server's port while the pool has it stopped would make its
+# restart on that port fail ("address already in use").
+PORT_RANGE = (10000, 21700)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 nobody has bound, from ``PORT_RANGE``."""
+    for port in random.sample(range(*PORT_RANGE), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ServerStartError(f"no free port in {PORT_RANGE} after 64 tries")
 
 
 def port_in_use(port: int) -> bool:
