@@ -11,19 +11,27 @@ posts a body, not one place: a stock call posts with its module's function ``htt
 reads the response in its own frame, so no method of the endpoint runs around both the post and
 the reading (``_add_images`` runs before the post, ``_assert_success`` after it, and neither can
 make the call again).
+
+``run`` sends a request with spans as a binary body (``binary_body.py``: inline rows as raw
+bytes after a JSON head) where the server advertises one (``/get_model_info``'s
+``binary_body``); the stock calls post JSON. A gateway forwards that advertisement but may read
+``/generate`` bodies as JSON itself (smg does): its refusal of a binary body
+(``_refuses_binary``) sends the request once more as JSON, and the endpoint sends JSON from then
+on (``sends_binary``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
+import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import http_request
 
 from sgl_embeds import lang
 from sgl_embeds.vision import EncoderCache
 from sgl_embeds.writer import KeptSpans, SpanWriter
-from sgl_embeds_srt import keys
+from sgl_embeds_srt import binary_body, keys
 from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt import wire
 
@@ -33,16 +41,24 @@ from sgl_embeds_srt import wire
 # enters as logprob 0 with a text no choice starts with: the same for every choice, so it cannot
 # change which choice wins.
 SPAN_ROW_LOGPROB_ENTRY = (0.0, -1, "\x00")
+# What a gateway that reads /generate bodies as JSON answers a binary body: smg's axum Json
+# extractor gives 415 for another content type, 400 or 422 for bytes it cannot parse as the request
+BINARY_REFUSALS = (400, 415, 422)
+
+
+class BinaryBodyRefused(Exception):
+    """Something between the client and the server does not take a binary body."""
 
 
 class EmbedsEndpoint(RuntimeEndpoint):
     """Backend for programs with ``sgl.embeds`` / ``sgl.region`` against a server running the
     sgl_embeds plugin, or a gateway in front of several. ``wire_format`` is ``"base64"`` (raw
     bytes, default) or ``"json"``; ``wire_dtype`` picks float32/float16/bfloat16 for base64
-    (default: the tensor's own). ``span_handles``: name a span sent before by its handle (see
-    ``writer.py``). ``vision_encoder`` encodes ``sgl.image`` / ``sgl.region`` client-side; its
-    outputs are kept in ``encoder_cache`` (an ``EncoderCache`` of ``encoder_cache_bytes``; 0
-    turns it off)."""
+    (default: the tensor's own); with base64, ``run`` sends span rows in a binary body where the
+    server takes one, unless ``send_binary`` is False. ``span_handles``: name a span sent before
+    by its handle (see ``writer.py``). ``vision_encoder`` encodes ``sgl.image`` / ``sgl.region``
+    client-side; its outputs are kept in ``encoder_cache`` (an ``EncoderCache`` of
+    ``encoder_cache_bytes``; 0 turns it off)."""
 
     def __init__(
         self,
@@ -56,6 +72,7 @@ class EmbedsEndpoint(RuntimeEndpoint):
         chat_template_name: str | None = None,
         encoder_cache_bytes: int = 256 << 20,
         span_handles: bool = True,
+        send_binary: bool = True,
     ):
         if wire_format not in ("base64", "json"):
             raise ValueError(f"wire_format must be 'base64' or 'json', got {wire_format!r}")
@@ -72,6 +89,9 @@ class EmbedsEndpoint(RuntimeEndpoint):
         self.hidden_size: int = info["hidden_size"]
         kept = KeptSpans() if span_handles else None
         self.writer = SpanWriter(self.hidden_size, wire_format, wire_dtype, kept)
+        # run()'s span requests go as binary bodies; False once something in between refused one
+        self.sends_binary: bool = (send_binary and wire_format == "base64"
+                                   and info.get("binary_body") == binary_body.CONTENT_TYPE)
 
     # -- the choke point --------------------------------------------------------------------
     def _add_images(self, s: Any, data: dict) -> None:
@@ -116,10 +136,13 @@ class EmbedsEndpoint(RuntimeEndpoint):
         return out
 
     def _resent_inline(self, spans: Iterable[Any], call: Callable[[], Any]) -> Any:
-        """``call()``; if the server does not hold a handle the request names, the writer forgets
-        ``spans`` (the request's) and ``call()`` goes once more, with their rows inline."""
+        """``call()``; if the server does not hold a handle the request names, or something in
+        between refused its binary body (then this endpoint sends JSON from now on), the writer
+        forgets ``spans`` (the request's) and ``call()`` goes once more, with their rows inline."""
         try:
             return call()
+        except BinaryBodyRefused:
+            self.sends_binary = False
         except RuntimeError as e:
             if not _is_unknown_handle(e.args[0] if e.args else None):
                 raise
@@ -155,19 +178,32 @@ class EmbedsEndpoint(RuntimeEndpoint):
                  if isinstance(s, seg.Embeds)]
 
         def post() -> Any:  # the body is written again for a second attempt
-            written = {"text": text} if field == "text" else self.writer.fields(field, prompts, batch)
-            return self._post({**body, **written})
+            if field == "text":
+                return self._post({**body, "text": text})
+            binary = self.sends_binary  # read per attempt: a refused binary body goes again as JSON
+            written = self.writer.fields(field, prompts, batch, raw_rows=binary)
+            return self._post({**body, **written}, binary)
 
         return self._resent_inline(spans, post)
 
-    def _post(self, body: dict) -> Any:
-        """``body`` posted to ``/generate`` as the stock calls post theirs; the server's JSON. A
-        refused request is a ``ValueError`` with the server's message, except an unknown handle: a
-        ``RuntimeError`` of the error body, as the stock calls raise it (``_resent_inline``)."""
-        res = http_request(self.base_url + "/generate", json=body, api_key=self.api_key,
-                           verify=self.verify)
+    def _post(self, body: dict, binary: bool = False) -> Any:
+        """``body`` posted to ``/generate``: as JSON as the stock calls post theirs, or as a binary
+        body (its rows tensors); the server's JSON. A refused request is a ``ValueError`` with the
+        server's message, except, for ``_resent_inline``, an unknown handle (a ``RuntimeError`` of
+        the error body, as the stock calls raise it) and a refused binary body."""
+        url = self.base_url + "/generate"
+        if binary:
+            data, content_type = binary_body.encode_body(body)
+            headers = {"Content-Type": content_type}
+            if self.api_key is not None:
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            res = requests.post(url, data=data, headers=headers, verify=self.verify)
+        else:
+            res = http_request(url, json=body, api_key=self.api_key, verify=self.verify)
         if res.status_code != 200:
             error = _error(res)
+            if binary and _refuses_binary(res.status_code, error):
+                raise BinaryBodyRefused(f"{url} refused a binary body ({res.status_code}): {error}")
             if _is_unknown_handle(error):
                 raise RuntimeError(error)
             message = error.get("message", error)
@@ -207,6 +243,14 @@ _END = object()  # next()'s default: a stream that ended before its first item
 
 def _is_unknown_handle(error: Any) -> bool:
     return isinstance(error, dict) and error.get("type") == keys.UNKNOWN_HANDLE_TYPE
+
+
+def _refuses_binary(status: int, error: dict) -> bool:
+    """Whether the refusal of a binary body came from something in between, not from a server:
+    a 415 (the content type refused), or a ``BINARY_REFUSALS`` status without a server's error
+    body (``{"object": "error", ...}``: SGLang's, and the plugin's for bad rows or a malformed
+    frame, which JSON would not mend)."""
+    return status == 415 or (status in BINARY_REFUSALS and error.get("object") != "error")
 
 
 def _error(res: Any) -> dict:

@@ -3,12 +3,13 @@
 Every span the client sends is written here, once per request: its width is checked against the
 server's hidden size (and its values too, unless they were checked where the span entered:
 ``sgl.embeds`` and the vision encoders check what they make), it is cast to the wire dtype and
-encoded (``wire.encode_tensor``), and a span this client has sent the server with
-``keep_spans`` goes by its handle after that (``KeptSpans``). A server that does not hold a
-handle (evicted, or another worker behind a gateway) answers ``UnknownSpanHandle``; the endpoint
-then ``forget``s the request's spans and sends it again, so their rows go inline and are kept
-again. Each body also carries a routing hint (``keys.routing_text``) as its ``text``, so a
-gateway's cache-aware policy sends a repeated span to the worker that holds it.
+encoded (``wire.encode_tensor``; for a binary body, ``binary_body.py``, the rows stay a tensor),
+and a span this client has sent the server with ``keep_spans`` goes by its handle after that
+(``KeptSpans``). A server that does not hold a handle (evicted, or another worker behind a
+gateway) answers ``UnknownSpanHandle``; the endpoint then ``forget``s the request's spans and
+sends it again, so their rows go inline and are kept again. Each body also carries a routing
+hint (``keys.routing_text``) as its ``text``, so a gateway's cache-aware policy sends a repeated
+span to the worker that holds it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class KeptSpans(LRU[KeptSpan]):
 class WrittenSpan:
     """One span as a body carries it."""
 
-    embeds: Any  # the body's "embeds" field: the encoded rows, or {"handle": ...}
+    embeds: Any  # the body's "embeds" field: the encoded rows (a tensor for a binary body), or
+    # {"handle": ...}
     route: str  # keys.route_rows of the rows in the wire dtype
     inline: bool  # the rows are in the body (not a handle)
 
@@ -68,20 +70,22 @@ class SpanWriter:
         self.wire_format, self.wire_dtype = wire_format, wire_dtype
         self.kept = kept
 
-    def fields(self, field: str, prompts: list, batch: bool, check_values: bool = True) -> dict:
+    def fields(self, field: str, prompts: list, batch: bool, check_values: bool = True,
+               raw_rows: bool = False) -> dict:
         """The body fields of ``prompts`` (each a ``Prompt`` or a list of segments: ``Text``,
         ``Ids``, ``Embeds`` or wire dicts, which pass as they are): ``field`` (``input_segments``,
         or ``input_embeds`` for prompts that are one span each; a list of them when ``batch``),
         the routing hint ``text`` of the first prompt, and ``keep_spans`` when a span goes inline
         and the server keeps spans for this client. ``check_values=False``: the spans' values were
-        checked where they entered; only their width is checked here."""
+        checked where they entered; only their width is checked here. ``raw_rows``: a span's
+        rows stay a tensor (in the wire dtype), for a binary body (``binary_body.encode_body``)."""
         wired, routes, inline = [], [], False
         for i, prompt in enumerate(prompts):
             out, route = [], []
             for j, s in enumerate(prompt.segments if isinstance(prompt, seg.Prompt) else prompt):
                 if isinstance(s, seg.Embeds):
                     where = f"prompt {i}: " if field == "input_embeds" else f"segment {j}: "
-                    span = self._span(s.tensor, check_values, where)
+                    span = self._span(s.tensor, check_values, where, raw_rows)
                     inline |= span.inline
                     out.append({"type": "embeds", "embeds": span.embeds})
                     if s.image_grid_thw is not None:
@@ -105,17 +109,17 @@ class SpanWriter:
         for x in spans:
             self.kept.pop(KeptSpans.key(self._wire_tensor(x)))
 
-    def _span(self, x: Any, check_values: bool, where: str) -> WrittenSpan:
+    def _span(self, x: Any, check_values: bool, where: str, raw_rows: bool) -> WrittenSpan:
         rows = self._wire_tensor(self._checked(x, check_values, where))
         if self.kept is None:
-            return WrittenSpan(self._encode(rows), keys.route_rows(rows), inline=True)
+            return WrittenSpan(self._encode(rows, raw_rows), keys.route_rows(rows), inline=True)
         key = KeptSpans.key(rows)
         kept = self.kept.get(key)
         if kept is not None:
             return WrittenSpan({"handle": kept.handle}, kept.route, inline=False)
         kept = KeptSpan(keys.span_handle(rows), keys.route_rows(rows))
         self.kept.put(key, kept)
-        return WrittenSpan(self._encode(rows), kept.route, inline=True)
+        return WrittenSpan(self._encode(rows, raw_rows), kept.route, inline=True)
 
     def _checked(self, x: Any, check_values: bool, where: str) -> torch.Tensor:
         """A span as a tensor, its shape checked against the server's hidden size, and its values
@@ -131,8 +135,9 @@ class SpanWriter:
         """The rows as the server decodes them (their handle is the server's): wire dtype, CPU."""
         return wire.as_wire_tensor(x, self.wire_format, self.wire_dtype)
 
-    def _encode(self, rows: torch.Tensor) -> Any:
-        return wire.encode_tensor(rows, self.wire_format, self.wire_dtype)
+    def _encode(self, rows: torch.Tensor, raw_rows: bool) -> Any:
+        """Inline rows as the body's "embeds": the wire form, or the rows themselves."""
+        return rows if raw_rows else wire.encode_tensor(rows, self.wire_format, self.wire_dtype)
 
 
 def _plain_segment(s: Any, j: int) -> dict:

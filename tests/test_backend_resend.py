@@ -73,6 +73,7 @@ def endpoint(monkeypatch):
     ep = EmbedsEndpoint.__new__(EmbedsEndpoint)  # no server to ask for its info
     ep.base_url, ep.api_key, ep.verify, ep.hidden_size = "http://fake", None, None, HIDDEN
     ep.writer = SpanWriter(HIDDEN, kept=KeptSpans())
+    ep.sends_binary = False  # JSON bodies, which the fake reads
     return ep, server
 
 

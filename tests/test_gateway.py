@@ -159,7 +159,7 @@ def test_a_handle_a_worker_does_not_hold_is_resent_inline_once(gateway, monkeypa
 
     monkeypatch.setattr(backend_module, "http_request", recording)  # run()
     monkeypatch.setattr(runtime_endpoint, "http_request", recording)  # programs (stock RuntimeEndpoint calls)
-    ep = EmbedsEndpoint(first.url)
+    ep = EmbedsEndpoint(first.url, send_binary=False)  # run() posts JSON, through http_request
     prompt = [Text("see"), Embeds(rows)]
 
     def run() -> list[int]:
@@ -188,6 +188,41 @@ def test_a_handle_a_worker_does_not_hold_is_resent_inline_once(gateway, monkeypa
     assert (state["what"], state["verdict"], state["parts"]) == (alone["what"], alone["verdict"], alone["parts"])
     singles = [b for b in sent[n:] if b and isinstance(b.get("input_segments", [None])[0], dict)]
     assert [span_of(b) == {"handle": handle} for b in singles[:2]] == [True, False]  # refused, then inline
+
+
+def test_run_through_the_gateway_falls_back_to_json_once_and_equals_direct(gateway, monkeypatch):
+    """smg reads /generate bodies as JSON, so it refuses a binary body that a worker takes: the
+    endpoint sends that request once more as JSON and JSON from then on; the answers are the
+    worker's own to the binary body."""
+    rows = seeded_rows(1481, 12)
+    prompt = [Text("Look at"), Embeds(rows), Text(" then")]
+    params = {**GREEDY, "max_new_tokens": 8}
+    # no handles: each run() is one post, two where its binary body is refused (a handle could be
+    # refused too, by a worker that does not hold it)
+    through = EmbedsEndpoint(gateway.url, span_handles=False)
+    direct = EmbedsEndpoint(gateway.workers[0].url, span_handles=False)
+    assert through.sends_binary and direct.sends_binary  # the gateway forwards the advertisement
+
+    sent: list[tuple[str, str]] = []  # (url, body form) of each post
+    binary_post, json_post = backend_module.requests.post, backend_module.http_request
+
+    def recording_binary(url, **kwargs):
+        sent.append((url, "binary"))
+        return binary_post(url, **kwargs)
+
+    def recording_json(url, **kwargs):
+        sent.append((url, "json"))
+        return json_post(url, **kwargs)
+
+    monkeypatch.setattr(backend_module.requests, "post", recording_binary)
+    monkeypatch.setattr(backend_module, "http_request", recording_json)
+    alone = direct.run(input_segments=prompt, sampling_params=params)
+    first = through.run(input_segments=prompt, sampling_params=params)
+    again = through.run(input_segments=prompt, sampling_params=params)
+    assert first["output_ids"] == again["output_ids"] == alone["output_ids"]
+    assert direct.sends_binary and not through.sends_binary
+    worker, smg = gateway.workers[0].url + "/generate", gateway.url + "/generate"
+    assert sent == [(worker, "binary"), (smg, "binary"), (smg, "json"), (smg, "json")]
 
 
 def test_cache_aware_routing_sends_a_repeated_span_to_its_worker(gateway):
