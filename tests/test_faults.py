@@ -6,53 +6,45 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import requests
-import torch
 
 from helpers import body, seeded_rows, span, text
-from sgl_embeds.testing.server import Server, free_port
-
-pytestmark = pytest.mark.server
 
 
-def test_restart_mid_workload(llama_dir, servers):
-    servers.make_room(1)
-    port = free_port()
+def test_restart_mid_workload(llama_server):
+    """The pool's Llama server, stopped and started again on its port while four clients send
+    requests (the pool then keeps it as it is: running, same port)."""
+    server, port = llama_server, llama_server.port
     parts = [text("the fox"), span(seeded_rows(5, 5)), text(" is")]
-    first = Server(llama_dir, port=port).start()
+    want = requests.post(server.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
+    results, stop = [], threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            try:
+                r = requests.post(f"http://127.0.0.1:{port}/generate", json=body(parts, 6), timeout=30)
+                results.append(("ok", r.status_code, r.json().get("output_ids") if r.status_code == 200 else r.text))
+            except requests.ConnectionError as e:  # the retryable kind
+                results.append(("conn", None, type(e).__name__))
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
     try:
-        want = requests.post(first.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
-        results, stop = [], threading.Event()
-
-        def worker():
-            while not stop.is_set():
-                try:
-                    r = requests.post(f"http://127.0.0.1:{port}/generate", json=body(parts, 6), timeout=30)
-                    results.append(("ok", r.status_code, r.json().get("output_ids") if r.status_code == 200 else r.text))
-                except requests.ConnectionError as e:  # the retryable kind
-                    results.append(("conn", None, type(e).__name__))
-                    time.sleep(0.2)
-
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
         time.sleep(2)
-        first.stop()
+        server.stop()
         time.sleep(1)
-        second = Server(llama_dir, port=port).start()
+        server.start()
         time.sleep(2)
+    finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    finally:
-        first.stop()
-    try:
-        assert any(kind == "conn" for kind, _, _ in results), "the restart was not observed"
-        served = [(code, out) for kind, code, out in results if kind == "ok"]
-        assert served and all(code in (200, 503) for code, _ in served), [c for c, _ in served if c != 200]
-        assert all(out == want for code, out in served if code == 200), "a wrong answer was served"
-        after = requests.post(second.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
-        assert after == want
-    finally:
-        second.stop()
+    assert server.port == port and server.alive()
+    assert any(kind == "conn" for kind, _, _ in results), "the restart was not observed"
+    served = [(code, out) for kind, code, out in results if kind == "ok"]
+    assert served and all(code in (200, 503) for code, _ in served), [c for c, _ in served if c != 200]
+    assert all(out == want for code, out in served if code == 200), "a wrong answer was served"
+    after = requests.post(server.url + "/generate", json=body(parts, 6), timeout=60).json()["output_ids"]
+    assert after == want

@@ -23,6 +23,7 @@ from transformers import (
 CACHE_VERSION = "v1"
 LLAVA_CACHE_VERSION = "v2"
 TINY_VOCAB = 512
+TINY_HIDDEN = 64  # the tiny language models' width
 _CORPUS_WORDS = (
     "the a an red green blue small large quick lazy fox dog cat bird image picture photo shows "
     "contains left right top bottom corner center person car tree house sky water road what is "
@@ -42,9 +43,10 @@ def cache_dir() -> Path:
     return path
 
 
-def _build_atomically(target: Path, build) -> Path:
-    """Build into a temp dir and rename, so a crash never leaves a half-written model."""
-    if (target / "config.json").exists():
+def _build_atomically(target: Path, build, done: str = "config.json") -> Path:
+    """Build into a temp dir and rename, so a crash never leaves a half-written model; ``done``:
+    the file a finished build holds (a target that has it is not built again)."""
+    if (target / done).exists():
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -88,9 +90,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, extra_specials:
     return fast
 
 
-def _tiny_config(arch: str, vocab: int):
+def _tiny_config(arch: str, vocab: int, hidden_size: int = TINY_HIDDEN):
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
         torch_dtype="float32",
