@@ -6,7 +6,9 @@
 # break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
 # Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
 # rows_scaled_1pct, spans_zeroed (every span all zeros: tests/test_examples.py must fail on each
-# notebook), and breaks of the LLaVA-NeXT / OneVision vision half (anyres_*, siglip_*).
+# notebook), images_reversed (a program's images in reverse order), ids_unplaced (an id refusal
+# that does not say where the id stands), and breaks of the LLaVA-NeXT / OneVision vision half
+# (anyres_*, siglip_*).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"
