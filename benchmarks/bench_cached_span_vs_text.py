@@ -9,6 +9,8 @@ request by request (order rotated every round):
 * ``text ids``: ``{"input_ids": prefix + question}`` over the same HTTP client as the span sides
   (``sglang.utils.http_request``): the baseline every ratio divides by;
 * ``span inline``: ``input_segments`` with the rows as base64 every time (raw HTTP);
+* ``span inline, binary body``: the same request as a binary body (``binary_body.encode_body``:
+  the rows' raw bytes after a JSON head), posted with the same low-level HTTP client;
 * ``span by handle``: the rows uploaded once (``POST /sgl_embeds/spans``), then ``{"handle": ...}``;
 * ``span by handle, rows to the scheduler every time``: the same, on a second plugin server with
   ``SGL_EMBEDS_ROWS_BY_HANDLE=0`` (the HTTP process then hands the rows to the scheduler with every
@@ -26,8 +28,10 @@ trip that hands the rows from the HTTP process to the scheduler, as SGLang's soc
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import time
+import urllib.request
 
 import orjson
 import sglang as sgl
@@ -36,14 +40,14 @@ from sglang.utils import http_request
 
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
-from sgl_embeds_srt import keys, wire
+from sgl_embeds_srt import binary_body, keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.writer import KeptSpans
 from sgl_embeds_srt.segments import Embeds, Ids
 from sgl_embeds_srt.placeholders import placeholder_ids
 
-SIDES = ["text ids", "span inline", "span by handle", "span by handle, rows to the scheduler every time",
-         "EmbedsEndpoint.run", "program"]
+SIDES = ["text ids", "span inline", "span inline, binary body", "span by handle",
+         "span by handle, rows to the scheduler every time", "EmbedsEndpoint.run", "program"]
 
 
 @sgl.function
@@ -58,6 +62,14 @@ def _generate(url: str, body: dict) -> dict:
     if res.status_code != 200:
         raise RuntimeError(res.json())
     return res.json()
+
+
+def _generate_binary(url: str, body: dict) -> dict:
+    """``body`` (its spans tensors) as a binary body, over urllib as ``http_request`` posts JSON."""
+    data, content_type = binary_body.encode_body(body)
+    request = urllib.request.Request(url + "/generate", data=data, headers={"Content-Type": content_type})
+    with urllib.request.urlopen(request) as res:
+        return json.loads(res.read())
 
 
 def measure(url: str, url_rows_each_time: str, tok, prefix_ids: list[int], rows: torch.Tensor, rounds: int) -> dict[str, list[float]]:
@@ -79,6 +91,9 @@ def measure(url: str, url_rows_each_time: str, tok, prefix_ids: list[int], rows:
         elif side == "span inline":
             _generate(url, {"input_segments": [{"type": "embeds", "embeds": wire.encode_tensor(rows)},
                                                {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
+        elif side == "span inline, binary body":
+            _generate_binary(url, {"input_segments": [{"type": "embeds", "embeds": rows},
+                                                      {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
         elif side.startswith("span by handle"):
             _generate(url if side == "span by handle" else url_rows_each_time,
                       {"input_segments": [{"type": "embeds", "embeds": {"handle": handle}},
