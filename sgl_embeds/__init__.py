@@ -12,7 +12,8 @@ from sgl_embeds_srt import wire
 from sgl_embeds_srt.segments import Embeds, Ids, Prompt, Text
 
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds.lang import compile_program, embeds, install, program_segments, region
+from sgl_embeds.hooks import install
+from sgl_embeds.lang import compile_program, embeds, program_segments, region
 
 install()
 

@@ -6,11 +6,10 @@ markers becomes ``input_segments``, written by the endpoint's ``writer.SpanWrite
 sends a prompt without a program.
 
 A server that does not hold a handle a body names answers ``UnknownSpanHandle``; the request is
-then sent once more with the rows inline (``_resent_inline``). That wraps each stock call that
-posts a body, not one place: a stock call posts with its module's function ``http_request`` and
-reads the response in its own frame, so no method of the endpoint runs around both the post and
-the reading (``_add_images`` runs before the post, ``_assert_success`` after it, and neither can
-make the call again).
+then sent once more with the rows inline (``_resent_inline``, the one place this happens). The
+stock calls post their bodies with their module's function ``http_request`` and read the response
+in their own frame, so that function is where their posts are seen: ``post_stock_body`` is its
+AROUND hook, and a body ``_add_images`` wrote (``WRITTEN``) goes through ``_resent_inline`` there.
 
 ``run`` sends a request with spans as a binary body (``binary_body.py``: inline rows as raw
 bytes after a JSON head) where the server advertises one (``/get_model_info``'s
@@ -22,7 +21,8 @@ on (``sends_binary``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
@@ -46,8 +46,42 @@ SPAN_ROW_LOGPROB_ENTRY = (0.0, -1, "\x00")
 BINARY_REFUSALS = (400, 415, 422)
 
 
-class BinaryBodyRefused(Exception):
-    """Something between the client and the server does not take a binary body."""
+@dataclass
+class WrittenBody:
+    """A stock call's body as ``_add_images`` wrote it, until the call posts it: how to write
+    its span fields again (``prompts`` of ``batch``), by the endpoint that wrote them."""
+
+    body: dict
+    endpoint: "EmbedsEndpoint"
+    prompts: list
+    batch: bool
+
+    def spans(self) -> list:
+        return [s.tensor for p in self.prompts for s in p.segments if isinstance(s, seg.Embeds)]
+
+    def rewritten(self) -> dict:
+        """The body with its span fields written again (after the writer forgot the spans: inline)."""
+        return {**self.body, **self.endpoint.writer.fields("input_segments", self.prompts, self.batch, check_values=False)}
+
+
+# id(body) -> its WrittenBody; the record holds the body, so an id is not reused while it is here
+WRITTEN: dict[int, WrittenBody] = {}
+
+
+def post_stock_body(original: Callable, url: str, json: Any = None, **kwargs: Any) -> Any:
+    """AROUND hook of ``runtime_endpoint.http_request``, which every stock ``RuntimeEndpoint``
+    call posts with: a body an ``EmbedsEndpoint`` wrote goes through its ``_resent_inline``."""
+    written = WRITTEN.pop(id(json), None) if json is not None else None
+    if written is None or written.body is not json:
+        return original(url, json=json, **kwargs)
+    attempts = []
+
+    def post() -> tuple[Any, bool]:  # the body as written, then (a second attempt) written again
+        body = written.rewritten() if attempts else json
+        attempts.append(body)
+        return original(url, json=body, **kwargs), False
+
+    return written.endpoint._resent_inline(written.spans(), post)
 
 
 class EmbedsEndpoint(RuntimeEndpoint):
@@ -102,32 +136,13 @@ class EmbedsEndpoint(RuntimeEndpoint):
             prompts = [lang.program_prompt(s, t) for t in items]
             # sgl.embeds and the vision encoders checked these spans' values where they entered
             data.update(self.writer.fields("input_segments", prompts, batch, check_values=False))
+            WRITTEN[id(data)] = WrittenBody(data, self, prompts, batch)  # post_stock_body posts it
         elif s.images_ and self.vision_encoder is None:
             super()._add_images(s, data)
 
-    # -- every stock call that posts a body to /generate ------------------------------------
-    def generate(self, s: Any, sampling_params: Any) -> Any:
-        stock = super().generate
-        return self._resent_inline(_program_rows(s), lambda: stock(s, sampling_params))
-
-    def generate_stream(self, s: Any, sampling_params: Any) -> Iterator:
-        stock = super().generate_stream  # a generator: it posts when its first item is asked for
-        stream = self._resent_inline(_program_rows(s), lambda: _started(stock(s, sampling_params)))
-        yield from stream
-
-    def commit_lazy_operations(self, s: Any) -> None:
-        stock = super().commit_lazy_operations
-        self._resent_inline(_program_rows(s), lambda: stock(s))
-
-    def fill_image(self, s: Any) -> None:
-        stock = super().fill_image
-        self._resent_inline(_program_rows(s), lambda: stock(s))
-
     def _generate_http_request(self, s: Any, data: dict) -> Any:
         """Stock ``select``'s requests; their input logprobs at span rows made readable for it."""
-        stock = super()._generate_http_request
-        # a fresh copy per attempt: _add_images rewrites the body it is given
-        out = self._resent_inline(_program_rows(s), lambda: stock(s, dict(data)))
+        out = super()._generate_http_request(s, data)
         for item in out if isinstance(out, list) else [out]:
             entries = item.get("meta_info", {}).get("input_token_logprobs") or []
             for j, e in enumerate(entries):
@@ -135,19 +150,21 @@ class EmbedsEndpoint(RuntimeEndpoint):
                     entries[j] = list(SPAN_ROW_LOGPROB_ENTRY)
         return out
 
-    def _resent_inline(self, spans: Iterable[Any], call: Callable[[], Any]) -> Any:
-        """``call()``; if the server does not hold a handle the request names, or something in
-        between refused its binary body (then this endpoint sends JSON from now on), the writer
-        forgets ``spans`` (the request's) and ``call()`` goes once more, with their rows inline."""
-        try:
-            return call()
-        except BinaryBodyRefused:
+    def _resent_inline(self, spans: Iterable[Any], post: Callable[[], tuple[Any, bool]]) -> Any:
+        """``post()``'s response (``post`` returns it and whether its body was binary). If the
+        server does not hold a handle the body names, or something in between refused its binary
+        form (this endpoint sends JSON from then on), the writer forgets ``spans`` (the body's)
+        and ``post()`` writes and sends the body once more, with their rows inline."""
+        res, binary = post()
+        if res.status_code == 200:
+            return res
+        error = _error(res)  # both response kinds keep their body for the caller's own read
+        if binary and _refuses_binary(res.status_code, error):
             self.sends_binary = False
-        except RuntimeError as e:
-            if not _is_unknown_handle(e.args[0] if e.args else None):
-                raise
+        elif not _is_unknown_handle(error):
+            return res
         self.writer.forget(spans)
-        return call()
+        return post()[0]
 
     # -- direct use ---------------------------------------------------------------------------
     def run(
@@ -177,43 +194,32 @@ class EmbedsEndpoint(RuntimeEndpoint):
         spans = [s.tensor for p in prompts for s in (p.segments if isinstance(p, seg.Prompt) else p)
                  if isinstance(s, seg.Embeds)]
 
-        def post() -> Any:  # the body is written again for a second attempt
+        def post() -> tuple[Any, bool]:  # the body is written again for a second attempt
             if field == "text":
-                return self._post({**body, "text": text})
+                return self._post({**body, "text": text}, False), False
             binary = self.sends_binary  # read per attempt: a refused binary body goes again as JSON
             written = self.writer.fields(field, prompts, batch, raw_rows=binary)
-            return self._post({**body, **written}, binary)
+            return self._post({**body, **written}, binary), binary
 
-        return self._resent_inline(spans, post)
-
-    def _post(self, body: dict, binary: bool = False) -> Any:
-        """``body`` posted to ``/generate``: as JSON as the stock calls post theirs, or as a binary
-        body (its rows tensors); the server's JSON. A refused request is a ``ValueError`` with the
-        server's message, except, for ``_resent_inline``, an unknown handle (a ``RuntimeError`` of
-        the error body, as the stock calls raise it) and a refused binary body."""
-        url = self.base_url + "/generate"
-        if binary:
-            data, content_type = binary_body.encode_body(body)
-            headers = {"Content-Type": content_type}
-            if self.api_key is not None:
-                headers["Authorization"] = f"Bearer {self.api_key}"
-            res = requests.post(url, data=data, headers=headers, verify=self.verify)
-        else:
-            res = http_request(url, json=body, api_key=self.api_key, verify=self.verify)
+        res = self._resent_inline(spans, post)
         if res.status_code != 200:
             error = _error(res)
-            if binary and _refuses_binary(res.status_code, error):
-                raise BinaryBodyRefused(f"{url} refused a binary body ({res.status_code}): {error}")
             if _is_unknown_handle(error):
-                raise RuntimeError(error)
-            message = error.get("message", error)
-            raise ValueError(f"/generate refused the request ({res.status_code}): {message}")
+                raise RuntimeError(error)  # as the stock calls raise a refusal
+            raise ValueError(f"/generate refused the request ({res.status_code}): {error.get('message', error)}")
         return res.json()
 
-
-def _program_rows(s: Any) -> Iterable[Any]:
-    """The rows of every span of the program ``s`` runs (those its requests may name)."""
-    return [span.tensor for span in lang.program_spans(s).table.values()]
+    def _post(self, body: dict, binary: bool) -> Any:
+        """``body`` posted to ``/generate``, as JSON as the stock calls post theirs or as a binary
+        body (its rows tensors): the response."""
+        url = self.base_url + "/generate"
+        if not binary:
+            return http_request(url, json=body, api_key=self.api_key, verify=self.verify)
+        data, content_type = binary_body.encode_body(body)
+        headers = {"Content-Type": content_type}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return requests.post(url, data=data, headers=headers, verify=self.verify)
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:
@@ -223,22 +229,6 @@ def _segment_lists(x: Any) -> tuple[list, bool]:
     if isinstance(x, list) and x and isinstance(x[0], (list, seg.Prompt)):
         return list(x), True
     return [list(x)], False
-
-
-def _started(stream: Iterator) -> Iterator:
-    """A generator run to its first item, so an error of its request is raised here."""
-    first = next(stream, _END)
-    if first is _END:
-        return iter(())
-
-    def rest() -> Iterator:
-        yield first
-        yield from stream
-
-    return rest()
-
-
-_END = object()  # next()'s default: a stream that ended before its first item
 
 
 def _is_unknown_handle(error: Any) -> bool:

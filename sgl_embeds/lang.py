@@ -24,7 +24,6 @@ from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 from sglang.lang.choices import ChoicesDecision
 from sglang.lang.ir import SglArgument, SglExpr, SglImage
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_embeds import vision
 from sgl_embeds_srt import segments as seg
@@ -219,25 +218,3 @@ def compile_program(program: Any, like: Any = None, vision_encoder: Callable | N
     executor = state.stream_executor
     executor.sync()
     return recorded + [program_prompt(executor, executor.text_).segments]
-
-
-def hook_table() -> dict[str, tuple[Any, Callable]]:
-    """Our hooks of SGLang's interpreter: target (see ``srt/targets.py``) -> (hook type,
-    function)."""
-    return {
-        targets.EXECUTOR_INIT: (HookType.AROUND, executor_init),
-        targets.EXECUTE: (HookType.AROUND, execute),
-        targets.FORK: (HookType.AROUND, fork),
-    }
-
-
-def install() -> None:
-    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the interpreter (once);
-    ``targets.ChangedSGLang`` if the installed SGLang differs where the hooks rely on it."""
-    targets.check("client")
-    if getattr(sgl, "embeds", None) is embeds:
-        return
-    sgl.embeds, sgl.region = embeds, region
-    for target, (kind, hook) in hook_table().items():
-        HookRegistry.register(target, hook, kind)
-    HookRegistry.apply_hooks()

@@ -13,7 +13,7 @@ SGLang upgrade, ``python -m sgl_embeds_srt.targets`` lists what changed and the 
 to record once each change is reviewed.
 
 ``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server,
-``sgl_embeds.lang.hook_table`` on the client; a test keeps both equal to this table).
+``sgl_embeds.hooks.hook_table`` on the client; a test keeps both equal to this table).
 ``RELIED_ON``: internals we call, read, subclass or patch by other means (said on each line).
 """
 
@@ -74,6 +74,7 @@ ENGINE_ASYNC_GENERATE = f"{_ENGINE}.async_generate"
 EXECUTOR_INIT = f"{_EXEC}.__init__"
 EXECUTE = f"{_EXEC}._execute"
 FORK = f"{_EXEC}.fork"
+STOCK_POST = "sglang.lang.backend.runtime_endpoint.http_request"
 
 PATCHED: dict[str, Guard] = {
     # req_init rewrites the stock skip_radix_cache_insert expression minus its override clause
@@ -98,6 +99,9 @@ PATCHED: dict[str, Guard] = {
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),
+    # every stock RuntimeEndpoint call posts its /generate body with this module function
+    # (backend.post_stock_body wraps it: the inline resend of a refused handle)
+    STOCK_POST: client("urllib.request.urlopen", "stream", fp="c1368192ee6d1920"),
 }
 RELIED_ON: dict[str, Guard] = {
     # -- start-up: how a refusal stops a launch (plugin.register raises SystemExit, which
@@ -172,6 +176,13 @@ RELIED_ON: dict[str, Guard] = {
     #    passes _add_images; select reads input logprobs; a refused request raises
     #    RuntimeError(<the server's JSON error>), which carries UnknownSpanHandle
     f"{_RE}._add_images": client('data["image_data"]', fp="2c2f12188242c3c1"),
+    # ... and every one that posts a body writes it with _add_images, then posts it with the
+    # module's http_request (STOCK_POST), then reads the response itself
+    f"{_RE}.generate": client("self._add_images(s, data)", "http_request(", fp="fb5ea052af7bfd80"),
+    f"{_RE}.generate_stream": client("self._add_images(s, data)", "http_request(", fp="1b19dad65a6b9e60"),
+    f"{_RE}.commit_lazy_operations": client("self._add_images(s, data)", "http_request(", fp="6ab73da2a7386e66"),
+    f"{_RE}.fill_image": client("self._add_images(s, data)", "http_request(", fp="a1556b4adaa0c6e8"),
+    f"{_RE}._generate_http_request": client("self._add_images(s, data)", "http_request(", fp="ee6d0389ab2c231a"),
     f"{_RE}.select": client("_generate_http_request", "input_token_logprobs", fp="af9fc1f68cec5094"),
     f"{_RE}._assert_success": client("raise RuntimeError(content)", fp="de80c54851f784db"),
     f"{_EXEC}._execute_fill": client("self.text_ += value", fp="382733fd5031b14c"),

@@ -5,6 +5,7 @@ again once with the rows inline when the server does not hold the handle."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 
 import pytest
@@ -68,7 +69,8 @@ class Reply:
 @pytest.fixture
 def endpoint(monkeypatch):
     server = FakeServer()
-    monkeypatch.setattr(runtime_endpoint, "http_request", server.post)
+    # the stock calls post through our hook of their module's http_request, around the fake
+    monkeypatch.setattr(runtime_endpoint, "http_request", functools.partial(backend_module.post_stock_body, server.post))
     monkeypatch.setattr(backend_module, "http_request", server.post)
     ep = EmbedsEndpoint.__new__(EmbedsEndpoint)  # no server to ask for its info
     ep.base_url, ep.api_key, ep.verify, ep.hidden_size = "http://fake", None, None, HIDDEN

@@ -7,6 +7,7 @@ and a stream of malformed span requests leaves both workers in rotation.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import openai
@@ -158,7 +159,8 @@ def test_a_handle_a_worker_does_not_hold_is_resent_inline_once(gateway, monkeypa
         return real(url, json=json, **kwargs)
 
     monkeypatch.setattr(backend_module, "http_request", recording)  # run()
-    monkeypatch.setattr(runtime_endpoint, "http_request", recording)  # programs (stock RuntimeEndpoint calls)
+    # programs: the stock RuntimeEndpoint calls post through our hook, here around the recorder
+    monkeypatch.setattr(runtime_endpoint, "http_request", functools.partial(backend_module.post_stock_body, recording))
     ep = EmbedsEndpoint(first.url, send_binary=False)  # run() posts JSON, through http_request
     prompt = [Text("see"), Embeds(rows)]
 

@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 
-from sgl_embeds import lang
+from sgl_embeds import hooks
 from sgl_embeds.testing.server import cpu_env, cpu_launch_args, free_port
 from sgl_embeds_srt import plugin, targets
 
@@ -77,11 +77,11 @@ def test_a_changed_target_is_named_with_what_differed(monkeypatch):
 
 
 def test_the_hook_tables_patch_exactly_the_listed_targets():
-    hooked = set(plugin.hook_table(http=True)) | set(lang.hook_table())
+    hooked = set(plugin.hook_table(http=True)) | set(hooks.hook_table())
     assert hooked == set(targets.PATCHED)
-    assert all(callable(hook) for _, hook in [*plugin.hook_table(http=True).values(), *lang.hook_table().values()])
+    assert all(callable(hook) for _, hook in [*plugin.hook_table(http=True).values(), *hooks.hook_table().values()])
     sides = {t: g.side for t, g in targets.PATCHED.items()}
-    assert {sides[t] for t in lang.hook_table()} == {"client"}
+    assert {sides[t] for t in hooks.hook_table()} == {"client"}
     assert {sides[t] for t in plugin.hook_table(http=True)} == {"server"}
 
 
