@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import sglang as sgl
 import torch
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
@@ -27,7 +26,6 @@ from sglang.lang.ir import SglArgument, SglExpr, SglImage
 
 from sgl_embeds import vision
 from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import targets
 from sgl_embeds_srt import wire
 
 
