@@ -1,7 +1,8 @@
 """Content keys of a span, computed alike on both sides of the wire.
 
-* ``row_digests``: a 32-byte keyed BLAKE3 digest of each row's bytes, one native call per row
-  (the rows are hashed once, in one pass over the buffer). The server's placeholder ids are their
+* ``row_digests``: a 32-byte keyed BLAKE3 digest of each row's bytes, all rows in one native call
+  (``csrc/row_digests.c``: the rows are the SIMD lanes, ~4-5 GB/s a core whatever the row width;
+  a Python loop of one call per row where it was not compiled, the same digests). The server's placeholder ids are their
   first 62 bits (``placeholders.py``).
 * ``span_handle``: the name a server keeps a span under (``srt/handles.py``): a keyed BLAKE3 of
   its dtype, shape and row digests (a two-level hash tree, so a server keeping a span gets its
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
@@ -28,6 +30,11 @@ import xxhash
 from blake3 import blake3
 
 from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
+
+try:
+    from sgl_embeds_srt import _row_digests as native_rows
+except ImportError:  # built without a C compiler (setup.py): the Python loop below, same digests
+    native_rows = None
 
 HANDLE_PREFIX = "span-"
 # The error "type" of a request naming a handle the server does not hold (the client resends rows)
@@ -50,16 +57,28 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
 
+# Threads for one span's rows: one per 2 MiB of rows, at most this many (and the machine's cores)
+HASH_THREADS = min(8, os.cpu_count() or 1)
+_BYTES_PER_THREAD = 2 << 20
+
+
 def row_digests(t: torch.Tensor) -> bytes:
     """The ``ROW_DIGEST_BYTES`` keyed BLAKE3 digests of the rows of ``t`` ``[n, ...]``, back to
-    back. No Python binding of a crypto hash hashes many inputs in one call, so this is a loop of
-    native calls: ~0.4-0.9 us a row, plus BLAKE3 at ~4 GB/s on rows of 8 KB, ~1 GB/s on rows of
-    1 KB (docs/performance.md has the floor)."""
+    back, in one native call (docs/performance.md has its speed)."""
     raw = raw_bytes(t)
     n = t.shape[0] if t.dim() else 1
     width = raw.nbytes // n if n else 0
     if width == 0:  # no bytes per row: each row's digest is the empty input's
         return blake3(b"", key=_ROW_KEY).digest() * n
+    if native_rows is not None:
+        threads = max(1, min(HASH_THREADS, raw.nbytes // _BYTES_PER_THREAD))
+        return native_rows.digests(raw, width, _ROW_KEY, threads)
+    return row_digests_by_row(raw, width)
+
+
+def row_digests_by_row(raw: memoryview, width: int) -> bytes:
+    """``row_digests`` one blake3 call per row: where the native pass was not built, and the
+    reference the tests hold it to."""
     return b"".join([blake3(raw[i:i + width], key=_ROW_KEY).digest()
                      for i in range(0, raw.nbytes, width)])
 

@@ -3,6 +3,7 @@ once per request, for its handle and its placeholder ids together."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sgl_embeds_srt import keys, placeholders, wire
@@ -22,6 +23,28 @@ def test_the_key_scheme_is_pinned():
     assert keys.KEY_SCHEME == "blake3-rows/v2"
     assert keys.span_handle(PINNED_ROWS) == PINNED_HANDLE
     assert placeholders.placeholder_ids(PINNED_ROWS) == PINNED_IDS
+
+
+def test_the_pinned_keys_are_the_same_without_the_native_pass(monkeypatch):
+    monkeypatch.setattr(keys, "native_rows", None)
+    assert keys.span_handle(PINNED_ROWS) == PINNED_HANDLE
+    assert placeholders.placeholder_ids(PINNED_ROWS) == PINNED_IDS
+
+
+def test_the_native_pass_gives_each_rows_own_blake3_digest():
+    """csrc/row_digests.c against one blake3 call per row: every width class of the BLAKE3 tree
+    (a partial block, one block, a chunk and one byte more, 2-3 chunks, a 17-chunk tree), row
+    counts around its 16 lanes, one thread and several."""
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests (a C compiler?)"
+    rng = torch.Generator().manual_seed(0)
+    for width in [1, 63, 64, 65, 1023, 1024, 1025, 1152, 2048, 2049, 3073, 8192, 17000]:
+        for n in [1, 15, 16, 17, 40]:
+            raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=rng).numpy().tobytes()
+            expected = keys.row_digests_by_row(memoryview(raw), width)
+            for threads in (1, 3):
+                assert keys.native_rows.digests(raw, width, keys._ROW_KEY, threads) == expected, (width, n, threads)
+    with pytest.raises(ValueError, match="divide"):
+        keys.native_rows.digests(b"abc", 2, keys._ROW_KEY)
 
 
 def test_row_digests_are_per_row_and_the_handle_is_built_from_them():
