@@ -21,12 +21,14 @@ on (``sends_binary``).
 
 from __future__ import annotations
 
+import ssl
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
-from sglang.utils import http_request
+from sglang.utils import HttpResponse, http_request
 
 from sgl_embeds import lang
 from sgl_embeds.vision import EncoderCache
@@ -219,7 +221,18 @@ class EmbedsEndpoint(RuntimeEndpoint):
         headers = {"Content-Type": content_type}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        return requests.post(url, data=data, headers=headers, verify=self.verify)
+        return _post_bytes(url, data, headers, self.verify)
+
+
+def _post_bytes(url: str, data: bytes, headers: dict, verify: str | None) -> HttpResponse:
+    """``data`` posted over urllib, as ``sglang.utils.http_request`` posts JSON (the same client
+    and response type on both paths; an HTTP error is a response, as there)."""
+    context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        return HttpResponse(urllib.request.urlopen(request, context=context))
+    except urllib.error.HTTPError as e:
+        return HttpResponse(e)
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:

@@ -20,7 +20,7 @@ import torch
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
-from sgl_embeds_srt.keys import span_handle
+from sgl_embeds_srt.keys import row_digests, span_handle
 from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
 from sgl_embeds_srt.segments import Ids, Segment, Text
@@ -55,7 +55,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
     ids: list[int] = []
     rows_per_span: list[torch.Tensor] = []
-    handles: list[str | None] = []
+    span_keys: list[str] = []  # content keys of the spans' rows (transport.py)
     positions: list[int] = []
     images: list[ImageSpan] = []
     for i, s in enumerate(segments):
@@ -82,13 +82,18 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
             if spec.vision is None:
                 # a kept span's row digests are of its rows as sent: they serve if not cast
                 digests = s.row_digests if t.dtype == s.tensor.dtype else None
+                if s.handle is None:  # its key: the hash of the digests its ids are made from
+                    digests = row_digests(t)
+                    key = span_handle(t, digests)
+                else:
+                    key = s.handle
                 ids.extend(placeholder_ids(t, s.handle, digests))
             else:  # the span's content key: its handle, or computed once here
                 key = s.handle or span_handle(s.tensor)
                 images.append(ImageSpan(key, s.image_grid_thw, len(ids), t.shape[0]))
                 ids.extend([spec.vision.image_token_id] * t.shape[0])
             rows_per_span.append(t)
-            handles.append(s.handle)
+            span_keys.append(key)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
     if len(ids) >= spec.context_len:
@@ -96,7 +101,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                          f"the model's context length of {spec.context_len}")
     if not rows_per_span:
         return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, handles, positions)
+    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows

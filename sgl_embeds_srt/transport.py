@@ -1,18 +1,21 @@
-"""The rows' trip from the HTTP process to the scheduler: a kept span's rows cross once.
+"""The rows' trip from the HTTP process to the scheduler: a span's rows cross once.
 
 SGLang pickles a request's ``PositionalEmbeds`` to the scheduler with every request: at 4096 rows
-of the demo model that is 9.4 MB, pickled, copied and unpickled each time, though a span sent by
-handle is the same rows every time and its positions are usually all in the radix cache. Here a
-span that the HTTP process keeps by handle (``handles.SpanStore``) crosses once per scheduler:
+of the demo model that is 9.4 MB, pickled, copied and unpickled each time, though a span sent
+again is the same rows and its positions are usually all in the radix cache. Here every span
+has a content key, and its rows cross once per scheduler while the scheduler holds them:
 
 * HTTP side: ``prompts.build_ids`` makes ``PromptRows`` (SGLang's ``PositionalEmbeds`` plus one
-  ``SpanPart`` per span: its handle and row count). ``RowsTransport`` wraps SGLang's own dispatch
-  transport (``TokenizerManager.positional_embeds_transport``); just before a request is sent it
-  leaves out the rows of every span the scheduler holds from it, and notes the spans whose rows
-  cross now.
+  ``SpanPart`` per span: its key and row count). The key is the span's handle when the server
+  keeps it (``handles.SpanStore``), else the same hash (``keys.span_handle``) of its rows in the
+  model's dtype, made from the row digests its placeholder ids came from (no second pass): a span
+  sent inline again, by any client, is the same key. ``RowsTransport`` wraps SGLang's own
+  dispatch transport (``TokenizerManager.positional_embeds_transport``); just before a request is
+  sent it leaves out the rows of every span the scheduler holds from it, and notes the spans
+  whose rows cross now.
 * Scheduler side: SGLang calls ``reconstruct`` on every request's overrides first thing when it
   arrives (``Scheduler.process_input_requests``); ``PromptRows.reconstruct`` keeps the rows that
-  crossed with a handle and puts back the ones that did not cross.
+  crossed and puts back the ones that did not cross.
 
 Both ends stay in step because requests from one HTTP process reach the scheduler in the order
 they were sent, over one socket. The HTTP side bounds what the scheduler holds from it (an LRU of
@@ -42,10 +45,10 @@ from sgl_embeds_srt.lru import LRU, nbytes
 
 @dataclass(frozen=True)
 class SpanPart:
-    """One span of a prompt's rows: its handle (None: not kept), its row count, and whether its
-    rows cross to the scheduler in this message (False: the scheduler holds them by handle)."""
+    """One span of a prompt's rows: its content key (None: never held), its row count, and
+    whether its rows cross to the scheduler in this message (False: the scheduler holds them)."""
 
-    handle: str | None
+    key: str | None
     n_rows: int
     crosses: bool = True
 
@@ -55,7 +58,7 @@ class PromptRows(PositionalEmbeds, array_like=True):
     are a sequence of spans, one ``SpanPart`` each, in prompt order.
 
     ``embeds`` holds the rows of the spans that cross, back to back. On the trip ``sender``
-    names the HTTP process and ``released`` lists handles it no longer keeps; ``missing`` is set,
+    names the HTTP process and ``released`` lists the keys it no longer holds; ``missing`` is set,
     and ``embeds`` is None, when the scheduler does not hold a span it was told it holds.
     ``span_prompt``: set only by the scheduler (``checked``), once every position is known to
     hold a placeholder id; that copy has no span records (its rows are all here)."""
@@ -79,12 +82,12 @@ class PromptRows(PositionalEmbeds, array_like=True):
         super().reconstruct(target_device)
 
     @classmethod
-    def from_spans(cls, rows_per_span: list[torch.Tensor], handles: list[str | None],
+    def from_spans(cls, rows_per_span: list[torch.Tensor], span_keys: list[str | None],
                    positions: list[int]) -> PromptRows:
-        """A prompt's spans (rows in the model's dtype, handles) in prompt order."""
+        """A prompt's spans (rows in the model's dtype, content keys) in prompt order."""
         # one span: its rows as they are (a kept span's rows are not copied)
         embeds = rows_per_span[0] if len(rows_per_span) == 1 else torch.cat(rows_per_span)
-        spans = [SpanPart(handle, rows.shape[0]) for rows, handle in zip(rows_per_span, handles)]
+        spans = [SpanPart(key, rows.shape[0]) for rows, key in zip(rows_per_span, span_keys)]
         return cls(embeds, positions, spans=spans)
 
     @classmethod
@@ -96,7 +99,7 @@ class PromptRows(PositionalEmbeds, array_like=True):
 
 
 class SchedulerRows:
-    """Scheduler side: the rows of kept spans by handle, and which HTTP processes keep each."""
+    """Scheduler side: the rows of spans by content key, and which HTTP processes hold each."""
 
     def __init__(self) -> None:
         self._rows: dict[str, torch.Tensor] = {}
@@ -104,7 +107,7 @@ class SchedulerRows:
 
     def restore(self, prompt_rows: PromptRows) -> None:
         """Put the held rows back into ``prompt_rows`` (in place), keep the rows that crossed with
-        a handle, then let go what the sender let go (after: it may have let go a span this
+        a key, then let go what the sender let go (after: it may have let go a span this
         request uses)."""
         n_crossed = sum(s.crosses for s in prompt_rows.spans)
         parts, offset = [], 0
@@ -113,31 +116,31 @@ class SchedulerRows:
                 rows = (prompt_rows.embeds if n_crossed == 1
                         else prompt_rows.embeds[offset:offset + span.n_rows])
                 offset += span.n_rows
-                if span.handle is not None:
-                    self._keep(prompt_rows.sender, span.handle, rows)
+                if span.key is not None:
+                    self._keep(prompt_rows.sender, span.key, rows)
             else:
-                rows = self._rows.get(span.handle)
+                rows = self._rows.get(span.key)
                 if rows is None or rows.shape[0] != span.n_rows:
-                    prompt_rows.embeds, prompt_rows.missing = None, span.handle
+                    prompt_rows.embeds, prompt_rows.missing = None, span.key
                     break
             parts.append(rows)
         else:
             prompt_rows.embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
-        for handle in prompt_rows.released:
-            self._release(prompt_rows.sender, handle)
+        for key in prompt_rows.released:
+            self._release(prompt_rows.sender, key)
 
-    def _keep(self, sender: str, handle: str, rows: torch.Tensor) -> None:
-        if handle not in self._rows:
-            self._rows[handle] = rows if rows._base is None else rows.clone()  # not a view of more
-        self._keepers.setdefault(handle, set()).add(sender)
+    def _keep(self, sender: str, key: str, rows: torch.Tensor) -> None:
+        if key not in self._rows:
+            self._rows[key] = rows if rows._base is None else rows.clone()  # not a view of more
+        self._keepers.setdefault(key, set()).add(sender)
 
-    def _release(self, sender: str, handle: str) -> None:
-        keepers = self._keepers.get(handle)
+    def _release(self, sender: str, key: str) -> None:
+        keepers = self._keepers.get(key)
         if keepers is None:
             return
         keepers.discard(sender)
         if not keepers:
-            del self._keepers[handle], self._rows[handle]
+            del self._keepers[key], self._rows[key]
 
     def sizes(self) -> tuple[int, int]:
         """(spans, bytes) held."""
@@ -173,9 +176,9 @@ class RowsTransport:
         self.stock = stock
         self.on = on
         self.sender = f"{os.getpid()}-{secrets.token_hex(4)}"
-        # handle -> bytes the scheduler holds; one span over the budget is still held (alone)
+        # key -> bytes the scheduler holds; one span over the budget is still held (alone)
         self._held: LRU[int] = LRU(budget, lambda size: size, keep_oversized=True,
-                                   on_evict=lambda handle, size: self._released.append(handle))
+                                   on_evict=lambda key, size: self._released.append(key))
         self._released: list[str] = []  # for the scheduler, on the next send
         self._lock = threading.Lock()
         self.rows_crossed = self.rows_left_out = 0  # span rows of dispatched requests
@@ -214,15 +217,15 @@ class RowsTransport:
         for p in prepared:
             with self._lock:
                 for newly_held, released in p.changes:
-                    for handle in newly_held:
-                        self._held.pop(handle)
+                    for key in newly_held:
+                        self._held.pop(key)
                     self._released[:0] = released + newly_held
             self.stock.cancel_for_dispatch(p.stock)
 
     def _for_wire(self, prompt_rows: PromptRows
                   ) -> tuple[PositionalEmbeds, tuple[list[str], list[str]]]:
         """A new object (requests may share one): rows of spans the scheduler holds left out."""
-        if not self.on or not any(s.handle for s in prompt_rows.spans):
+        if not self.on or not any(s.key for s in prompt_rows.spans):
             self.rows_crossed += len(prompt_rows.positions)
             return PositionalEmbeds(prompt_rows.embeds, prompt_rows.positions), ([], [])
         crossing, spans, newly_held, offset = [], [], [], 0
@@ -230,13 +233,13 @@ class RowsTransport:
             rows = prompt_rows.embeds[offset:offset + span.n_rows]
             offset += span.n_rows
             # get(): a held span becomes the most recently used
-            crosses = span.handle is None or self._held.get(span.handle) is None
+            crosses = span.key is None or self._held.get(span.key) is None
             if crosses:
                 crossing.append(rows)
                 self.rows_crossed += span.n_rows
-                if span.handle is not None:
-                    self._held.put(span.handle, nbytes(rows))  # may let go older spans
-                    newly_held.append(span.handle)
+                if span.key is not None:
+                    self._held.put(span.key, nbytes(rows))  # may let go older spans
+                    newly_held.append(span.key)
             else:
                 self.rows_left_out += span.n_rows
             spans.append(replace(span, crosses=crosses))

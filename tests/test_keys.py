@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_embeds_srt import keys, placeholders, wire
+from sgl_embeds_srt import keys, placeholders, prompts, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.lru import LRU, nbytes
 from sgl_embeds_srt.parse import parse_prompts
@@ -91,6 +91,7 @@ def _counting_row_digests(monkeypatch) -> list:
 
     monkeypatch.setattr(keys, "row_digests", counting)
     monkeypatch.setattr(placeholders, "row_digests", counting)
+    monkeypatch.setattr(prompts, "row_digests", counting)
     return calls
 
 

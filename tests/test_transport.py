@@ -12,6 +12,8 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt import scheduler, transport
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
+from sgl_embeds_srt.prompts import ModelSpec, build_ids
+from sgl_embeds_srt.segments import Embeds
 from sgl_embeds_srt.transport import PromptRows, RowsTransport, SchedulerRows
 
 HIDDEN = 8
@@ -78,6 +80,27 @@ def test_a_kept_span_crosses_once_then_goes_by_handle(held):
     assert torch.equal(only_a.embeds, a) and link.wire_bytes[2] < 512 * HIDDEN * 4 / 10
     assert link.http.stats()["rows_left_out"] == 1024 and link.http.stats()["rows_sent"] == 518
     assert held.sizes() == (1, 512 * HIDDEN * 4)
+
+
+def test_a_span_sent_inline_again_crosses_once(held):
+    """Not kept by handle, a span still has a content key (the hash of its rows as the model sees
+    them, from the digests its placeholder ids come from), so the same rows inline again, from
+    any client and in any wire dtype that casts to the same rows, do not cross again."""
+    spec = ModelSpec(hidden_size=HIDDEN, dtype=torch.float32, vocab_size=1000, context_len=4096, tokenizer=None)
+    link = Link()
+    a = rows(64, 21).bfloat16().float()  # rows that bfloat16 holds exactly
+
+    def inline(t: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(positional_embed_overrides=build_ids([Embeds(t)], spec)[1])
+
+    assert torch.equal(link.send(inline(a))[0].embeds, a)
+    assert torch.equal(link.send(inline(a.clone()))[0].embeds, a)
+    assert torch.equal(link.send(inline(a.bfloat16()))[0].embeds, a)  # cast to the same rows
+    assert max(link.wire_bytes[1:]) < link.wire_bytes[0] / 5
+    other = a.clone()
+    other[5, 3] += 1e-3
+    assert torch.equal(link.send(inline(other))[0].embeds, other)
+    assert link.http.stats()["rows_sent"] == 128 and link.http.stats()["rows_left_out"] == 128
 
 
 def test_two_requests_in_one_message_and_several_senders(held):
