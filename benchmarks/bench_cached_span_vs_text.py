@@ -22,7 +22,12 @@ A second table times the per-request pieces of an inline span in this process (c
 body JSON, server decode + validation, placeholder hashing, handle hashing, and the pickle round
 trip that hands the rows from the HTTP process to the scheduler, as SGLang's socket does).
 
+With ``--model wide`` the server runs a one-layer Llama 4096 wide (``models.wide_model_dir``: a 7B
+VLM's width, the model's own work small) and the rows go as bfloat16 (its embedding rows are
+bfloat16 values, so the span is still exactly the prefix): the real size of a large image.
+
     python benchmarks/bench_cached_span_vs_text.py [--sizes 256,1024,4096] [--rounds 12]
+    python benchmarks/bench_cached_span_vs_text.py --model wide --sizes 2880 --rounds 8
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from sglang.utils import http_request
 
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
+from sgl_embeds.testing.models import wide_model_dir
 from sgl_embeds_srt import binary_body, keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.writer import KeptSpans
@@ -144,16 +150,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="256,1024,4096")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--model", choices=["demo", "wide"], default="demo")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    tok, table_ = tokenizer(demo_dir()), embedding_table(demo_dir())
+    model_dir = demo_dir() if args.model == "demo" else wide_model_dir()
+    rows_dtype = torch.float32 if args.model == "demo" else torch.bfloat16
+    tok, table_ = tokenizer(model_dir), embedding_table(model_dir)
     gen = torch.Generator().manual_seed(0)
     results, profile = {}, {}
-    with (server(demo_dir(), True, ["--enable-cache-report"]) as s,
-          server(demo_dir(), True, ["--enable-cache-report"], env={"SGL_EMBEDS_ROWS_BY_HANDLE": "0"}) as s_off):
+    with (server(model_dir, True, ["--enable-cache-report"]) as s,
+          server(model_dir, True, ["--enable-cache-report"], env={"SGL_EMBEDS_ROWS_BY_HANDLE": "0"}) as s_off):
         for n in sizes:
-            prefix_ids = torch.randint(1000, len(table_) - 1000, (n,), generator=gen).tolist()
-            rows = table_[prefix_ids].contiguous()
+            margin = min(1000, len(table_) // 8)  # ordinary tokens, not the specials at the ends
+            prefix_ids = torch.randint(margin, len(table_) - margin, (n,), generator=gen).tolist()
+            rows = table_[prefix_ids].to(rows_dtype).contiguous()
             results[n] = measure(s.url, s_off.url, tok, prefix_ids, rows, args.rounds)
             profile[n] = pieces(rows)
     out_rows = []
@@ -162,7 +172,9 @@ def main() -> None:
         for side in SIDES:
             t = p50(results[n][side])
             out_rows.append([n, side, t * 1000, t / base])
-    header = (f"{provenance()}\nSmolLM2-135M-Instruct float32, plugin servers (the second only for the side "
+    model = ("SmolLM2-135M-Instruct float32, rows float32" if args.model == "demo" else
+             "one-layer Llama 4096 wide (models.wide_model_dir) float32, rows bfloat16")
+    header = (f"{provenance()}\n{model}, plugin servers (the second only for the side "
               f"with rows to the scheduler every time); "
               f"every request: cached prefix of N positions + a new ~12-token question, 1 new token; "
               f"{args.rounds} requests per side and size, interleaved; ratio = side / text ids (same N)")
@@ -171,7 +183,7 @@ def main() -> None:
     prof_rows = [[n, k, v] for n in sizes for k, v in profile[n].items()]
     text += "\n" + table("Per-request pieces of an inline span (ms, median of 5, in the benchmark's process)",
                          ["N", "piece", "ms"], prof_rows)
-    save("cached_span_vs_text", {"commit": commit(), "machine": machine(), "rounds": args.rounds,
+    save("cached_span_vs_text" if args.model == "demo" else "cached_span_vs_text_wide", {"commit": commit(), "machine": machine(), "rounds": args.rounds,
                                  "results": {str(k): v for k, v in results.items()},
                                  "profile": {str(k): v for k, v in profile.items()}}, text)
 

@@ -4,9 +4,9 @@ Every span row gets a 62-bit content key of its bytes as the model sees them (af
 to the model's dtype): the first 8 bytes (little-endian) of its row digest (``keys.row_digests``,
 keyed BLAKE3), low 62 bits, offset to lie in ``[2**62, 2**63)``. Real token ids are far below
 that, so the radix cache tells rows apart, matches identical rows, and never confuses a row with
-a token. The ids of a span the server keeps by handle are computed once and remembered; a kept
-span sent in the model's dtype brings its row digests (``handles.SpanStore``), so its rows are
-hashed once, for its handle and its ids together.
+a token. The ids of a span are remembered under its content key (its handle, or the same hash of
+its rows as sent); a kept span sent in the model's dtype brings its row digests
+(``handles.SpanStore``), so its rows are hashed once, for its handle and its ids together.
 """
 
 from __future__ import annotations
@@ -24,15 +24,22 @@ def is_placeholder(token_id: int) -> bool:
     return token_id >= PLACEHOLDER_BASE
 
 
+def remembered_ids(key: str, n_rows: int) -> list[int] | None:
+    """The placeholder ids remembered for the span of content key ``key`` (None if none are)."""
+    kept = _KEPT.get(key)
+    return kept.tolist() if kept is not None and kept.shape[0] == n_rows else None
+
+
 def placeholder_ids(rows: torch.Tensor, handle: str | None = None,
                     digests: bytes | None = None) -> list[int]:
     """Placeholder ids of a span's rows; ``rows`` must already be in the model's dtype.
-    ``handle``: the span's handle when the server keeps it (the ids are then remembered).
+    ``handle``: the span's content key (``keys.span_handle`` of its rows as sent; its handle
+    when the server keeps it): the ids are then remembered under it.
     ``digests``: ``keys.row_digests(rows)`` when the caller has them."""
     if handle is not None:
-        kept = _KEPT.get(handle)
-        if kept is not None and kept.shape[0] == rows.shape[0]:
-            return kept.tolist()
+        kept = remembered_ids(handle, rows.shape[0])
+        if kept is not None:
+            return kept
     first_words = np.frombuffer(row_digests(rows) if digests is None else digests, dtype="<u8")
     ids = first_words[:: ROW_DIGEST_BYTES // 8] & np.uint64(PLACEHOLDER_BASE - 1)
     ids |= np.uint64(PLACEHOLDER_BASE)

