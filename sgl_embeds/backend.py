@@ -11,9 +11,9 @@ stock calls post their bodies with their module's function ``http_request`` and 
 in their own frame, so that function is where their posts are seen: ``post_stock_body`` is its
 AROUND hook, and a body ``_add_images`` wrote (``WRITTEN``) goes through ``_resent_inline`` there.
 
-``run`` sends a request with spans as a binary body (``binary_body.py``: inline rows as raw
-bytes after a JSON head) where the server advertises one (``/get_model_info``'s
-``binary_body``); the stock calls post JSON. A gateway forwards that advertisement but may read
+``run`` and the stock calls (streaming excepted) send a request with spans as a binary body
+(``binary_body.py``: inline rows as raw bytes after a JSON head) where the server advertises one
+(``/get_model_info``'s ``binary_body``). A gateway forwards that advertisement but may read
 ``/generate`` bodies as JSON itself (smg does): its refusal of a binary body
 (``_refuses_binary``) sends the request once more as JSON, and the endpoint sends JSON from then
 on (``sends_binary``).
@@ -57,13 +57,16 @@ class WrittenBody:
     endpoint: "EmbedsEndpoint"
     prompts: list
     batch: bool
+    binary: bool  # its spans are tensors: it goes as a binary body
 
     def spans(self) -> list:
         return [s.tensor for p in self.prompts for s in p.segments if isinstance(s, seg.Embeds)]
 
-    def rewritten(self) -> dict:
-        """The body with its span fields written again (after the writer forgot the spans: inline)."""
-        return {**self.body, **self.endpoint.writer.fields("input_segments", self.prompts, self.batch, check_values=False)}
+    def rewritten(self, raw_rows: bool) -> dict:
+        """The body with its span fields written again (after the writer forgot the spans:
+        inline), the rows tensors with ``raw_rows`` (a binary body)."""
+        return {**self.body, **self.endpoint.writer.fields("input_segments", self.prompts, self.batch,
+                                                           check_values=False, raw_rows=raw_rows)}
 
 
 # id(body) -> its WrittenBody; the record holds the body, so an id is not reused while it is here
@@ -72,15 +75,19 @@ WRITTEN: dict[int, WrittenBody] = {}
 
 def post_stock_body(original: Callable, url: str, json: Any = None, **kwargs: Any) -> Any:
     """AROUND hook of ``runtime_endpoint.http_request``, which every stock ``RuntimeEndpoint``
-    call posts with: a body an ``EmbedsEndpoint`` wrote goes through its ``_resent_inline``."""
+    call posts with: a body an ``EmbedsEndpoint`` wrote goes through its ``_resent_inline``, as
+    a binary body where ``_add_images`` left its rows tensors."""
     written = WRITTEN.pop(id(json), None) if json is not None else None
     if written is None or written.body is not json:
         return original(url, json=json, **kwargs)
     attempts = []
 
     def post() -> tuple[Any, bool]:  # the body as written, then (a second attempt) written again
-        body = written.rewritten() if attempts else json
+        binary = written.binary and written.endpoint.sends_binary  # False once one was refused
+        body = written.rewritten(binary) if attempts else json
         attempts.append(body)
+        if binary:
+            return written.endpoint._post(body, True), True
         return original(url, json=body, **kwargs), False
 
     return written.endpoint._resent_inline(written.spans(), post)
@@ -136,9 +143,11 @@ class EmbedsEndpoint(RuntimeEndpoint):
         items = texts if batch else [texts]
         if any(isinstance(t, str) and seg.has_markers(t) for t in items):
             prompts = [lang.program_prompt(s, t) for t in items]
+            binary = self.sends_binary and not data.get("stream")  # a stream goes as JSON
             # sgl.embeds and the vision encoders checked these spans' values where they entered
-            data.update(self.writer.fields("input_segments", prompts, batch, check_values=False))
-            WRITTEN[id(data)] = WrittenBody(data, self, prompts, batch)  # post_stock_body posts it
+            data.update(self.writer.fields("input_segments", prompts, batch, check_values=False,
+                                           raw_rows=binary))
+            WRITTEN[id(data)] = WrittenBody(data, self, prompts, batch, binary)  # post_stock_body posts it
         elif s.images_ and self.vision_encoder is None:
             super()._add_images(s, data)
 

@@ -10,6 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import sglang as sgl
 import torch
 
 from sgl_embeds.backend import EmbedsEndpoint
@@ -202,3 +203,32 @@ def test_json_when_asked(worker, options):
     assert not ep.sends_binary
     ep.run(input_segments=[Embeds(rows(9, 2))])
     assert kinds(worker.posts) == ["json: inline + keep"]
+
+
+@sgl.function
+def look(s, rows):
+    s += "look " + sgl.embeds(rows) + " and say"
+    s += sgl.gen("answer", max_tokens=2)
+
+
+def test_programs_send_their_spans_as_a_binary_body(worker):
+    ep = EmbedsEndpoint(worker.url, chat_template_name="chatml")
+    a = rows(9, 4, torch.bfloat16)
+    for _ in range(2):
+        assert look.run(rows=a, backend=ep)["answer"] == "ok"
+    assert kinds(worker.posts) == ["binary: inline + keep", "binary: handle"]
+    assert same_bits(spans_of(worker.posts[0][1])[0], a)
+    worker.held.clear()  # the server lost it: refused by handle, sent again inline, still binary
+    assert look.run(rows=a, backend=ep)["answer"] == "ok"  # (reading it waits for the run)
+    assert kinds(worker.posts)[2:] == ["binary: handle", "binary: inline + keep"]
+
+
+def test_a_program_behind_a_gateway_that_refuses_binary_bodies_goes_as_json():
+    with FakeServer(gateway_refusal=415) as gateway:
+        ep = EmbedsEndpoint(gateway.url, chat_template_name="chatml")
+        a = rows(10, 3)
+        assert look.run(rows=a, backend=ep)["answer"] == "ok"
+        assert kinds(gateway.posts) == ["binary: refused", "json: inline + keep"] and not ep.sends_binary
+        assert same_bits(wire.decode_tensor(spans_of(gateway.posts[-1][1])[0]), a)
+        assert look.run(rows=a, backend=ep)["answer"] == "ok"
+        assert kinds(gateway.posts)[2:] == ["json: handle"]
