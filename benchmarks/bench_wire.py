@@ -1,78 +1,364 @@
-"""Wire formats: JSON float lists vs base64 float32 / float16 / bfloat16.
+"""The whole path of one span without model compute, at the sizes real VLMs send.
 
-For spans of 256 to 8192 rows at hidden sizes 576 to 4096: bytes on the wire, client encode
-time (tensor -> request body bytes), server decode + validate time (body bytes -> checked tensor,
-the same code the server runs), and end-to-end latency of one span prompt (1 new token) through a
-server on the demo model (hidden 576).
+Two stand-in servers run SGLang's real HTTP app (``http_server.app``: FastAPI, its ``/generate``
+route and request parsing) under uvicorn on 127.0.0.1: one with the plugin's middleware
+installed (``sgl_embeds_srt.http.install``), one stock. In both, SGLang's tokenizer manager is a
+stand-in whose ``generate_request`` notes when the request reaches it and answers at once, so
+everything before SGLang's tokenizer manager is the real code and nothing after it runs (no
+tokenizing, no scheduler, no model). The stand-in then times the request's trip to the scheduler
+on its own: its rows (our ``PromptRows``; stock's ``input_embeds`` lists) pickled, sent over a
+ZMQ ipc socket to a process that unpickles them and acks, as SGLang's default IPC does.
 
-    python benchmarks/bench_wire.py [--rows 256,1024,8192] [--hidden 576,4096] [--no-e2e]
+Per span (rows x hidden, wire dtype; the served model is float32), four sides, one request each
+per round, rounds rotating the order, all posted with the same client (urllib):
+
+* ``binary body, first send``: what ``EmbedsEndpoint`` does with a span it has not sent before
+  (``SpanWriter`` with kept spans: values checked, routing hint, handle; then
+  ``binary_body.encode_body``), new rows every round;
+* ``binary body, sent again``: the same rows every round, inline again (as curl or another
+  language would send them): the server knows their key, the scheduler holds their rows;
+* ``JSON base64, first send``: the writer with base64 rows, an ``orjson`` body, new rows;
+* ``stock JSON float lists``: ``{"input_embeds": rows.tolist()}`` to stock SGLang (float32
+  values), an ``orjson`` body, new rows.
+
+Columns: client encode; the server path from the request head received (the app's first call:
+the body's transfer included) and from the body received (our middleware has it whole) to the
+request handed to the tokenizer manager (parse, checks, row keys, placeholders, the
+``GenerateReqInput``); the IPC trip (the plugin's transport, then SGLang's pickle over ZMQ and the
+scheduler's ``reconstruct``); the server's peak extra RSS up to the hand-off (``VmHWM`` reset
+through ``/proc/<pid>/clear_refs`` before each request, minus ``VmRSS`` then: torch allocations
+escape tracemalloc; measured on a twin server whose glibc returns freed buffers, ``StandIn``,
+by the first requests of each side); and the floor: a warm copy of the span's bytes into an allocated buffer (numpy,
+one thread). A second table breaks our server path down in this process.
+
+    python benchmarks/bench_wire.py [--sizes 576x4096:bfloat16,...] [--rounds 7] [--stock-rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
 import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import orjson
 import torch
 
-from common import demo_dir, commit, machine, provenance, post, save, server, table
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.parse import segments_from_wire
+from common import commit, machine, provenance, save, table
+from sgl_embeds.writer import KeptSpans, SpanWriter
+from sgl_embeds_srt import binary_body, keys, wire
+from sgl_embeds_srt.segments import Embeds
 
-FORMATS = [("json", None), ("base64", "float32"), ("base64", "float16"), ("base64", "bfloat16")]
+SIDES = ["binary body, first send", "binary body, sent again", "JSON base64, first send",
+         "stock JSON float lists"]
+VOCAB = 32000
+BODY_READ: dict[str, float] = {}  # stand-in server: when the middleware had the last body
 
 
-def best_of(fn, repeat: int) -> float:
-    times = []
+def _status_kb(pid: int | str, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+# ---- the stand-in server (a child process) ----
+
+def _scheduler(address: str, ack_address: str) -> None:
+    """Stands where SGLang's scheduler receives: unpickle each message, ack it."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(address)
+    push.connect(ack_address)
+    while True:
+        ids, rows = pull.recv_pyobj()  # as SGLang's scheduler receives
+        if hasattr(rows, "reconstruct"):  # as the scheduler does first (ours: held rows put back)
+            rows.reconstruct(0)
+        push.send(b"ack")
+
+
+class StandInTokenizerManager:
+    """What the HTTP app and the plugin read of SGLang's tokenizer manager, for one model shape;
+    ``generate_request`` hands back the timings of the request instead of generating."""
+
+    def __init__(self, hidden: int, address: str, ack_address: str) -> None:
+        import zmq
+        from transformers import LlamaConfig
+
+        self.model_config = type("ModelConfig", (), {"hidden_size": hidden, "dtype": torch.float32,
+                                                      "vocab_size": VOCAB, "hf_config": LlamaConfig(hidden_size=hidden)})()
+        self.context_len, self.tokenizer, self.is_generation = 1 << 20, None, True
+        self.gracefully_exit = False
+        ctx = zmq.Context()
+        self.push, self.acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.acks.bind(ack_address)
+        self.push.connect(address)
+        from sgl_embeds_srt import transport  # the plugin's transport around SGLang's (a no-op on CPU)
+
+        class StockTransport:
+            def prepare_for_dispatch(self, objs):
+                return []
+
+            def cancel_for_dispatch(self, prepared):
+                pass
+
+        self.transport = transport.RowsTransport(StockTransport(), True, 1 << 30)
+        transport._TRANSPORTS.append(self.transport)
+
+    async def generate_request(self, obj, request=None):
+        handed = time.monotonic()
+        peak_kb = _status_kb("self", "VmHWM")
+        t0 = time.perf_counter()
+        if obj.positional_embed_overrides is not None:  # ours: the plugin's transport, as in SGLang's
+            sent = SimpleNamespace(positional_embed_overrides=obj.positional_embed_overrides)
+            self.transport.prepare_for_dispatch([sent])
+            rows = sent.positional_embed_overrides
+        else:
+            rows = obj.input_embeds
+        self.push.send_pyobj((obj.input_ids, rows))  # as SGLang's tokenizer manager sends
+        self.acks.recv()
+        ipc = time.perf_counter() - t0
+        body_read = BODY_READ.pop("last", request.scope["bench_t0"])  # one request at a time
+        yield {"text": "", "meta_info": {"server_s": handed - request.scope["bench_t0"],
+                                         "from_body_s": handed - body_read, "ipc_s": ipc, "peak_kb": peak_kb}}
+
+
+def _serve(port: int, hidden: int, plugin: bool, address: str, ready) -> None:
+    import uvicorn
+    from sglang.srt.entrypoints import http_server
+
+    if plugin:
+        from sgl_embeds_srt import http as plugin_http
+        from sgl_embeds_srt.http import asgi, middleware
+
+        plugin_http.install(http_server.app)
+        read_body = asgi.read_body
+
+        async def timed_read_body(receive, limit):  # when our middleware has the whole body
+            out = await read_body(receive, limit)
+            BODY_READ["last"] = time.monotonic()
+            return out
+
+        middleware.asgi.read_body = timed_read_body
+    tm = StandInTokenizerManager(hidden, address, address + "_ack")
+    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=tm, template_manager=None,
+                                                          scheduler_info={}))
+    app = http_server.app
+
+    async def clocked(scope, receive, send):  # the request head is in: the server path starts
+        scope["bench_t0"] = time.monotonic()
+        await app(scope, receive, send)
+
+    ready.set()
+    uvicorn.run(clocked, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+
+
+class StandIn:
+    """A stand-in server (and its scheduler stand-in). ``for_memory``: glibc's mmap threshold is
+    fixed, so freed buffers go back to the system and each request's peak shows (glibc otherwise
+    keeps them after the first request, and a later peak stays under the RSS measured before
+    it); it also makes every large allocation fault its pages in, so times are taken on servers
+    without it."""
+
+    def __init__(self, port: int, hidden: int, plugin: bool, for_memory: bool) -> None:
+        saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        if for_memory:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+        else:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        spawn = mp.get_context("spawn")
+        address = f"ipc:///tmp/sgl_embeds_bench_wire_{os.getpid()}_{port}"
+        self.scheduler = spawn.Process(target=_scheduler, args=(address, address + "_ack"), daemon=True)
+        self.scheduler.start()
+        ready = spawn.Event()
+        self.process = spawn.Process(target=_serve, args=(port, hidden, plugin, address, ready), daemon=True)
+        self.process.start()
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+        ready.wait(120)
+        self.url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if not self.process.is_alive():
+                break
+            try:
+                urllib.request.urlopen(self.url + "/bench_wire_ping", timeout=2)
+                return
+            except Exception as e:  # noqa: BLE001 - not up yet (any status answers: up)
+                if getattr(e, "code", None):
+                    return
+                time.sleep(0.1)
+        raise RuntimeError("the stand-in server did not start")
+
+    def post(self, body: bytes, content_type: str) -> tuple[dict, float, float]:
+        """The response's timings, the whole request's seconds, and the server's peak extra KB."""
+        os.sched_yield()
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+        rss_kb = _status_kb(self.process.pid, "VmRSS")
+        t0 = time.perf_counter()
+        request = urllib.request.Request(self.url + "/generate", data=body, headers={"Content-Type": content_type})
+        with urllib.request.urlopen(request, timeout=600) as res:
+            meta = orjson.loads(res.read())["meta_info"]
+        return meta, time.perf_counter() - t0, meta["peak_kb"] - rss_kb
+
+    def stop(self) -> None:
+        for p in (self.process, self.scheduler):
+            p.kill()
+            p.join()
+
+
+# ---- the client's encodings ----
+
+def encode_ours(rows: torch.Tensor, binary: bool) -> tuple[bytes, str]:
+    """A first send by EmbedsEndpoint: the writer with kept spans (values checked, routing hint,
+    handle), then the body."""
+    writer = SpanWriter(rows.shape[1], "base64", wire.DTYPE_NAMES[rows.dtype], kept=KeptSpans())
+    fields = writer.fields("input_segments", [[Embeds(rows)]], False, raw_rows=binary)
+    body = {**fields, "sampling_params": {"max_new_tokens": 1}}
+    return binary_body.encode_body(body) if binary else (orjson.dumps(body), "application/json")
+
+
+def encode_stock(rows: torch.Tensor) -> tuple[bytes, str]:
+    body = {"input_embeds": rows.float().tolist(), "sampling_params": {"max_new_tokens": 1}}
+    return orjson.dumps(body), "application/json"
+
+
+def median_ms(fn, repeat: int = 7) -> float:
+    samples = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
 
 
-def measure(rows: int, hidden: int, fmt: str, dtype: str | None) -> dict:
-    x = torch.randn(rows, hidden)
-    repeat = 1 if fmt == "json" and rows * hidden > 4_000_000 else 3
-    body = lambda: orjson.dumps({"input_segments": [{"type": "embeds", "embeds": wire.encode_tensor(x, fmt, dtype)}]})
-    encode = best_of(body, repeat)
-    raw = body()
-    decode = best_of(lambda: [wire.check_tensor(s.tensor, hidden) for s in segments_from_wire(orjson.loads(raw)["input_segments"], 1 << 34)], repeat)
-    return {"bytes": len(raw), "encode_s": encode, "decode_s": decode, "raw": raw}
+def warm_copy_ms(rows: torch.Tensor) -> float:
+    src = np.frombuffer(keys.raw_bytes(rows), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    return median_ms(lambda: np.copyto(dst, src), 15)
+
+
+def breakdown(rows: torch.Tensor) -> dict[str, float]:
+    """Our server path's stages for a binary body, in this process (ms, medians of 7)."""
+    from sgl_embeds_srt.handles import SpanStore, budget_bytes
+    from sgl_embeds_srt.placeholders import placeholder_ids
+    from sgl_embeds_srt.prompts import ModelSpec, make_generate_req
+
+    spec = ModelSpec(rows.shape[1], torch.float32, VOCAB, 1 << 20, None)
+    body, _ = encode_ours(rows, binary=True)
+    payload = binary_body.decode_body(body, 1 << 40)
+    span = payload["input_segments"][0]["embeds"]
+    as_model = span.float()
+    return {
+        "decode_body (frame checks, a view of the body)": median_ms(lambda: binary_body.decode_body(body, 1 << 40)),
+        "values check (NaN / Inf)": median_ms(lambda: wire.check_tensor(span, rows.shape[1])),
+        "to the model's dtype (float32)": median_ms(lambda: span.float()),
+        "row keys (keys.row_digests, native)": median_ms(lambda: keys.row_digests(as_model)),
+        "placeholder ids (keys + 62 bits each)": median_ms(lambda: placeholder_ids(as_model)),
+        "all: make_generate_req (parse, checks, dtype, keys, placeholders, span kept)": median_ms(
+            lambda: make_generate_req(payload, spec, SpanStore(budget_bytes()), True)),
+    }
+
+
+def parse_sizes(text: str) -> list[tuple[int, int, torch.dtype]]:
+    out = []
+    for item in text.split(","):
+        shape, _, dtype = item.partition(":")
+        n, hidden = (int(v) for v in shape.split("x"))
+        out.append((n, hidden, wire.DTYPES[dtype or "bfloat16"]))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="256,1024,8192")
-    ap.add_argument("--hidden", default="576,4096")
-    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--sizes", default="576x4096:bfloat16,2880x4096:bfloat16,2880x4096:float32,4096x576:bfloat16")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--stock-rounds", type=int, default=2, help="rounds of the stock side (JSON float lists are slow)")
+    ap.add_argument("--port", type=int, default=23417)
     args = ap.parse_args()
-    data, rows_out = {"commit": commit(), "machine": machine()}, []
-    for hidden in [int(h) for h in args.hidden.split(",")]:
-        for rows in [int(r) for r in args.rows.split(",")]:
-            results = {f"{f}/{d or 'f32'}": measure(rows, hidden, f, d) for f, d in FORMATS}
-            base = results["json/f32"]
-            for name, r in results.items():
-                rows_out.append([rows, hidden, name, r["bytes"] / 1e6, r["encode_s"] * 1e3, r["decode_s"] * 1e3, base["decode_s"] / r["decode_s"]])
-                data[f"{rows}x{hidden}/{name}"] = {k: v for k, v in r.items() if k != "raw"}
-    text = f"{provenance()}\n" + table("wire formats (best of 3; one run for JSON above 4M values)",
-                                               ["rows", "hidden", "format", "MB", "encode ms", "decode+validate ms", "decode speedup vs JSON"], rows_out)
-    if not args.no_e2e:
-        e2e_rows = []
-        with server(demo_dir(), True) as s:
-            for rows in [int(r) for r in args.rows.split(",") if int(r) < 8000]:  # the demo model's context is 8192
-                x = torch.randn(rows, 576) * 0.02
-                for f, d in FORMATS:
-                    body = {"input_segments": [{"type": "text", "text": "Describe"}, {"type": "embeds", "embeds": wire.encode_tensor(x, f, d)}],
-                            "sampling_params": {"max_new_tokens": 1}}
-                    post(s.url, {**body, "sampling_params": {"max_new_tokens": 1}})  # warm: prefix cached, the same for every format
-                    t = min(post(s.url, body)[1] for _ in range(2))
-                    e2e_rows.append([rows, f"{f}/{d or 'f32'}", t * 1e3])
-                    data[f"e2e/{rows}/{f}/{d or 'f32'}"] = t
-        text += "\n" + table("end to end, one cached span prompt, 1 new token (demo model, hidden 576)", ["rows", "format", "latency ms"], e2e_rows)
+    torch.manual_seed(0)
+    rows_out, stage_rows, data = [], [], {"commit": commit(), "machine": machine(), "sizes": {}}
+    verdicts = []
+    servers: dict[tuple[int, bool, bool], StandIn] = {}  # (hidden, plugin, for memory)
+    try:
+        for n, hidden, dtype in parse_sizes(args.sizes):
+            for plugin in (True, False):
+                for for_memory in (False, True):
+                    if (hidden, plugin, for_memory) not in servers:
+                        servers[(hidden, plugin, for_memory)] = StandIn(args.port + len(servers), hidden, plugin, for_memory)
+            rows = (torch.randn(n, hidden) * 0.02).to(dtype)
+            label = f"{n}x{hidden} {wire.DTYPE_NAMES[dtype]}"
+            mb = rows.numel() * rows.element_size() / 1e6
+            floor = warm_copy_ms(rows)
+            fresh = lambda: (torch.randn(n, hidden) * 0.02).to(dtype)  # noqa: E731 - a span never sent
+            encoders = {"binary body, first send": lambda x: encode_ours(x, True),
+                        "binary body, sent again": lambda x: encode_ours(x, True),
+                        "JSON base64, first send": lambda x: encode_ours(x, False),
+                        "stock JSON float lists": encode_stock}
+            for for_memory in (False, True):  # "sent again" is sent before
+                servers[(hidden, True, for_memory)].post(*encode_ours(rows, True))
+            samples = {s: {k: [] for k in ("encode", "server", "from_body", "ipc", "total", "peak")} for s in SIDES}
+            for r in range(args.rounds):
+                for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
+                    if side.startswith("stock") and r >= args.stock_rounds:
+                        continue
+                    x = rows if side.endswith("sent again") else fresh()
+                    t0 = time.perf_counter()
+                    body, content_type = encoders[side](x)
+                    samples[side]["encode"].append(time.perf_counter() - t0)
+                    meta, total, _ = servers[(hidden, not side.startswith("stock"), False)].post(body, content_type)
+                    samples[side]["server"].append(meta["server_s"])
+                    samples[side]["from_body"].append(meta["from_body_s"])
+                    samples[side]["ipc"].append(meta["ipc_s"])
+                    samples[side]["total"].append(total)
+                    if r < (1 if side.startswith("stock") else 2):  # the peak: on the twin server
+                        _, _, peak_kb = servers[(hidden, not side.startswith("stock"), True)].post(body, content_type)
+                        samples[side]["peak"].append(peak_kb / 1e3)
+                    del body
+            med = {s: {k: statistics.median(v) for k, v in samples[s].items() if v} for s in SIDES if samples[s]["total"]}
+            for s in med:
+                m = med[s]
+                from_body = "" if s.startswith("stock") else m["from_body"] * 1e3
+                rows_out.append([label, mb, s, m["encode"] * 1e3, m["encode"] * 1e3 / floor, m["server"] * 1e3,
+                                 from_body, from_body and from_body / floor, m["ipc"] * 1e3, m["total"] * 1e3,
+                                 m["peak"], m["peak"] / mb])
+            rows_out.append([label, mb, "floor: warm copy of the bytes", floor, 1.0, "", "", "", "", "", "", ""])
+            stages = breakdown(rows)
+            stage_rows += [[label, k, v, v / floor] for k, v in stages.items()]
+            data["sizes"][label] = {"mb": mb, "warm_copy_ms": floor, "samples": samples, "stages_ms": stages}
+            if (n, hidden, dtype) == (2880, 4096, torch.bfloat16):
+                for side in ("binary body, first send", "binary body, sent again"):
+                    x = med[side]["from_body"] * 1e3 / floor
+                    verdicts.append(f"- server path from body received to the tokenizer manager, {side}, {label}: "
+                                    f"{x:.1f}x the warm copy (target <= 8x): {'met' if x <= 8 else 'not met'}")
+                x = med["binary body, first send"]["encode"] * 1e3 / floor
+                verdicts.append(f"- client side (EmbedsEndpoint's writer and the body, a first send), {label}: "
+                                f"{x:.1f}x the warm copy (target <= 4x): {'met' if x <= 4 else 'not met'}")
+    finally:
+        for s in servers.values():
+            s.stop()
+    head = (f"{provenance()}\nstand-in servers: SGLang's HTTP app (plugin installed / stock) under uvicorn, "
+            f"a stand-in tokenizer manager (no model); served dtype float32; medians of {args.rounds} rounds "
+            f"(stock: {args.stock_rounds}), sides alternating; one request at a time over urllib\n")
+    text = head + table("one span's whole path without model compute",
+                        ["span", "MB", "side", "client encode ms", "x warm copy", "server path from head ms",
+                         "from body received ms", "x warm copy", "IPC trip ms", "request ms",
+                         "server peak extra MB", "x span bytes"], rows_out)
+    text += "\n" + table("our server path for a binary body, by stage (in this process, ms, medians of 7)",
+                         ["span", "stage", "ms", "x warm copy"], stage_rows)
+    if verdicts:
+        text += "\n### Targets (issue #24)\n" + "\n".join(verdicts) + "\n"
     save("wire", data, text)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

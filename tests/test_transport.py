@@ -14,7 +14,7 @@ from sgl_embeds_srt import scheduler, transport
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
 from sgl_embeds_srt.segments import Embeds
-from sgl_embeds_srt.transport import PromptRows, RowsTransport, SchedulerRows
+from sgl_embeds_srt.transport import PromptRows, RowsOnTheWire, RowsTransport, SchedulerRows
 
 HIDDEN = 8
 
@@ -217,14 +217,28 @@ def test_a_span_prompt_is_one_whose_every_override_position_holds_a_placeholder(
         assert not scheduler.is_span_prompt(mixed) and "outside the vocabulary" in mixed.aborted
 
 
-def test_off_or_without_handles_the_rows_go_as_stock_overrides():
+def test_off_or_without_keys_the_rows_go_as_stock_overrides():
     a = rows(3, 9)
     off = RowsTransport(StockTransport(), on=False, budget=1 << 20)
     req = request([(a, "span-a")])
     off.prepare_for_dispatch([req])
-    assert type(req.positional_embed_overrides) is PositionalEmbeds and torch.equal(req.positional_embed_overrides.embeds, a)
+    arrived = pickle.loads(pickle.dumps(req.positional_embed_overrides))
+    assert type(arrived) is PositionalEmbeds and torch.equal(arrived.embeds, a)
     on = RowsTransport(StockTransport(), on=True, budget=1 << 20)
     req = request([(a, None)])
     on.prepare_for_dispatch([req])
     assert type(req.positional_embed_overrides) is PositionalEmbeds
-    assert req.positional_embed_overrides.embeds is a  # not copied
+    assert req.positional_embed_overrides.embeds.rows is a  # not copied before the socket
+
+
+def test_rows_cross_as_their_bytes_and_arrive_as_a_tensor():
+    for t in (rows(5, 30), rows(3, 31).bfloat16(), rows(4, 32)[:, :3], torch.zeros(0, HIDDEN)):
+        for protocol in (4, 5):  # SGLang's socket pickles with the default (4 on Python 3.11)
+            wire_form = pickle.dumps(RowsOnTheWire(t), protocol=protocol)
+            assert len(wire_form) < t.numel() * t.element_size() + 300  # the bytes and a little
+            back = pickle.loads(wire_form)
+            assert isinstance(back, torch.Tensor) and back.dtype == t.dtype and torch.equal(back, t)
+    back = pickle.loads(pickle.dumps(RowsOnTheWire(rows(2, 33))))
+    back += 1  # writable, as SGLang's own overrides are
+    cuda_like = SimpleNamespace(is_cuda=True)
+    assert RowsOnTheWire.wrap(cuda_like) is cuda_like  # not a CPU tensor: SGLang's CUDA IPC takes it
