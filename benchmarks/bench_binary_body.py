@@ -10,7 +10,8 @@ model's 4096 x 576; bfloat16 unless a size says otherwise), in this process, med
 * keys: the rows' placeholder ids and the handle, v1 (a blake2b per row, SHA-256 of the bytes)
   vs v2 (``keys.row_digests``: a keyed BLAKE3 per row, all rows in one native call, and the
   same digests one blake3 call per row as where no compiler built it; the handle from the
-  digests), and the routing hint (``keys.route_rows``, xxh3 per row);
+  digests), and the routing hint alone (``keys.route_rows``: the start of each row digest, free
+  where the handle's digests are at hand);
 * the floor: a warm copy of the same bytes into a buffer allocated beforehand, and one BLAKE3
   call over all of them (the library's top speed, no row keys).
 
@@ -88,7 +89,7 @@ def measure(n: int, hidden: int, dtype: str) -> dict[str, float]:
         "keys v2: the same digests, one blake3 call per row": ms(
             lambda: keys.row_digests_by_row(raw, raw.nbytes // n)),
         "keys v2: handle alone (client)": ms(lambda: keys.span_handle(rows)),
-        "routing hint: xxh3 per row": ms(lambda: keys.route_rows(rows)),
+        "routing hint alone (row digests' starts)": ms(lambda: keys.route_rows(rows)),
     }
 
 

@@ -117,7 +117,8 @@ class SpanWriter:
         kept = self.kept.get(key)
         if kept is not None:
             return WrittenSpan({"handle": kept.handle}, kept.route, inline=False)
-        kept = KeptSpan(keys.span_handle(rows), keys.route_rows(rows))
+        digests = keys.row_digests(rows)  # one pass for the handle and the routing hint
+        kept = KeptSpan(keys.span_handle(rows, digests), keys.route_rows(rows, digests))
         self.kept.put(key, kept)
         return WrittenSpan(self._encode(rows, raw_rows), kept.route, inline=True)
 

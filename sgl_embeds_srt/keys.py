@@ -17,7 +17,8 @@
   repeated span goes to the worker whose radix cache holds it. (The tag ends the hint: as a
   prefix shared by every span request it would pull short prompts onto one worker.) It is only
   a hint: the server drops it (``is_routing_text``) and keys its cache on hashes it computes
-  itself, so it may be (and is) a fast non-cryptographic hash (xxh3).
+  itself. A row's part is the start of its row digest, so a client that names the span by
+  handle gets its hint from the same native pass.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+import numpy as np
 import torch
-import xxhash
 from blake3 import blake3
 
 from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
@@ -91,12 +92,12 @@ def span_handle(t: torch.Tensor, digests: bytes | None = None) -> str:
     return HANDLE_PREFIX + digest.hexdigest()
 
 
-def route_rows(t: torch.Tensor) -> str:
-    """``ROUTE_CHARS_PER_ROW`` hex characters per row, from a hash of the row's bytes."""
-    raw = raw_bytes(t)
-    width = raw.nbytes // max(t.shape[0], 1)
-    return "".join(xxhash.xxh3_64_hexdigest(raw[i * width:(i + 1) * width])[:ROUTE_CHARS_PER_ROW]
-                   for i in range(t.shape[0]))
+def route_rows(t: torch.Tensor, digests: bytes | None = None) -> str:
+    """``ROUTE_CHARS_PER_ROW`` hex characters per row: the start of its row digest.
+    ``digests``: ``row_digests(t)`` when the caller has them."""
+    digests = row_digests(t) if digests is None else digests
+    per_row = np.frombuffer(digests, np.uint8).reshape(-1, ROW_DIGEST_BYTES)
+    return per_row[:, :ROUTE_CHARS_PER_ROW // 2].tobytes().hex()
 
 
 def route_grid(image_grid_thw: tuple[int, int, int] | None) -> str:

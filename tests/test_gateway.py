@@ -206,17 +206,17 @@ def test_run_through_the_gateway_falls_back_to_json_once_and_equals_direct(gatew
     assert through.sends_binary and direct.sends_binary  # the gateway forwards the advertisement
 
     sent: list[tuple[str, str]] = []  # (url, body form) of each post
-    binary_post, json_post = backend_module.requests.post, backend_module.http_request
+    binary_post, json_post = backend_module._post_bytes, backend_module.http_request
 
-    def recording_binary(url, **kwargs):
+    def recording_binary(url, *args, **kwargs):
         sent.append((url, "binary"))
-        return binary_post(url, **kwargs)
+        return binary_post(url, *args, **kwargs)
 
     def recording_json(url, **kwargs):
         sent.append((url, "json"))
         return json_post(url, **kwargs)
 
-    monkeypatch.setattr(backend_module.requests, "post", recording_binary)
+    monkeypatch.setattr(backend_module, "_post_bytes", recording_binary)
     monkeypatch.setattr(backend_module, "http_request", recording_json)
     alone = direct.run(input_segments=prompt, sampling_params=params)
     first = through.run(input_segments=prompt, sampling_params=params)

@@ -72,6 +72,7 @@ def test_each_row_has_its_own_part_of_the_routing_hint():
     assert len(hint) == 4 * width
     assert [hint[i * width:(i + 1) * width] for i in range(4)] == [keys.route_rows(x[i:i + 1]) for i in range(4)]
     assert len({hint[i * width:(i + 1) * width] for i in range(4)}) == 4
+    assert hint == keys.route_rows(x, keys.row_digests(x)) and hint[:width] == keys.row_digests(x[:1])[:3].hex()
 
 
 def _spec(dtype: torch.dtype) -> ModelSpec:
