@@ -232,3 +232,21 @@ def test_a_program_behind_a_gateway_that_refuses_binary_bodies_goes_as_json():
         assert same_bits(wire.decode_tensor(spans_of(gateway.posts[-1][1])[0]), a)
         assert look.run(rows=a, backend=ep)["answer"] == "ok"
         assert kinds(gateway.posts)[2:] == ["json: handle"]
+
+
+def test_a_program_body_written_binary_goes_as_json_if_binary_was_refused_before_its_post(monkeypatch):
+    """Calls of one endpoint run in parallel (run_batch, forks): another call's binary body may
+    be refused between this body's writing (rows as tensors) and its post; it goes as JSON."""
+    with FakeServer(gateway_refusal=415) as gateway:
+        ep = EmbedsEndpoint(gateway.url, chat_template_name="chatml")
+        write = EmbedsEndpoint._add_images
+
+        def write_then_refused_elsewhere(self, s, data):
+            write(self, s, data)
+            self.sends_binary = False
+
+        monkeypatch.setattr(EmbedsEndpoint, "_add_images", write_then_refused_elsewhere)
+        a = rows(11, 3)
+        assert look.run(rows=a, backend=ep)["answer"] == "ok"
+        assert kinds(gateway.posts) == ["json: inline + keep"]
+        assert same_bits(wire.decode_tensor(spans_of(gateway.posts[0][1])[0]), a)
