@@ -27,7 +27,6 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import torch
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import HttpResponse, http_request
 
@@ -88,7 +87,7 @@ def post_stock_body(original: Callable, url: str, json: Any = None, **kwargs: An
         if attempts:
             body = written.rewritten(binary)
         elif written.binary and not binary:  # another call's binary body was refused meanwhile
-            body = _json_form(json)
+            body = binary_body.json_form(json)
         else:
             body = json
         attempts.append(body)
@@ -248,18 +247,6 @@ def _post_bytes(url: str, data: bytes, headers: dict, verify: str | None) -> Htt
         return HttpResponse(urllib.request.urlopen(request, context=context))
     except urllib.error.HTTPError as e:
         return HttpResponse(e)
-
-
-def _json_form(body: Any) -> Any:
-    """A body written for a binary post (its rows tensors in the wire dtype) as JSON: each
-    tensor base64, in its own dtype, as the writer would have written it."""
-    if isinstance(body, torch.Tensor):
-        return wire.encode_tensor(body)
-    if isinstance(body, dict):
-        return {k: _json_form(v) for k, v in body.items()}
-    if isinstance(body, list):
-        return [_json_form(v) for v in body]
-    return body
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:

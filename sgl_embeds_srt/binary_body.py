@@ -31,7 +31,7 @@ import struct
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import orjson
@@ -76,18 +76,25 @@ def encode_body(request: dict, dtype: str | None = None) -> tuple[bytes, str]:
         return {"dtype": wire.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
                 "data_offsets": [begin, size]}
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, (torch.Tensor, np.ndarray)):
-            return as_range(value)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [walk(v) for v in value]
-        return value
-
-    head = orjson.dumps(walk(request))
+    head = orjson.dumps(map_tensors(request, as_range))
     head += b" " * (-(8 + len(head)) % ALIGN)  # JSON allows trailing spaces
     return b"".join([struct.pack("<Q", len(head)), head, *buffer]), CONTENT_TYPE
+
+
+def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` (a request) with each tensor in it (torch or numpy) replaced by ``fn(tensor)``."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [map_tensors(v, fn) for v in value]
+    return value
+
+
+def json_form(request: dict) -> dict:
+    """The JSON form of a request whose spans are tensors: each one base64 in its own dtype."""
+    return map_tensors(request, wire.encode_tensor)
 
 
 def decode_body(body: bytes | bytearray | memoryview,

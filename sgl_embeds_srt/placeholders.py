@@ -30,23 +30,23 @@ def remembered_ids(key: str, n_rows: int) -> list[int] | None:
     return kept.tolist() if kept is not None and kept.shape[0] == n_rows else None
 
 
-def placeholder_ids(rows: torch.Tensor, handle: str | None = None,
+def placeholder_ids(rows: torch.Tensor, key: str | None = None,
                     digests: bytes | None = None) -> list[int]:
     """Placeholder ids of a span's rows; ``rows`` must already be in the model's dtype.
-    ``handle``: the span's content key (``keys.span_handle`` of its rows as sent; its handle
-    when the server keeps it): the ids are then remembered under it.
+    ``key``: the span's content key (``keys.span_handle`` of its rows as sent; its handle when
+    the server keeps it): the ids are then remembered under it.
     ``digests``: ``keys.row_digests(rows)`` when the caller has them."""
-    if handle is not None:
-        kept = remembered_ids(handle, rows.shape[0])
+    if key is not None:
+        kept = remembered_ids(key, rows.shape[0])
         if kept is not None:
             return kept
     first_words = np.frombuffer(row_digests(rows) if digests is None else digests, dtype="<u8")
     ids = first_words[:: ROW_DIGEST_BYTES // 8] & np.uint64(PLACEHOLDER_BASE - 1)
     ids |= np.uint64(PLACEHOLDER_BASE)
-    if handle is not None:
-        _KEPT.put(handle, torch.from_numpy(ids.astype(np.int64)))
+    if key is not None:
+        _KEPT.put(key, torch.from_numpy(ids.astype(np.int64)))
     return ids.tolist()
 
 
-# A server has one model dtype, so a handle's rows always become the same ids.
+# A server has one model dtype, so a key's rows always become the same ids.
 _KEPT: LRU[torch.Tensor] = LRU(64 << 20, nbytes)  # int64 ids: 8M rows

@@ -7,9 +7,9 @@ has a content key, and its rows cross once per scheduler while the scheduler hol
 
 * HTTP side: ``prompts.build_ids`` makes ``PromptRows`` (SGLang's ``PositionalEmbeds`` plus one
   ``SpanPart`` per span: its key and row count). The key is the span's handle when the server
-  keeps it (``handles.SpanStore``), else the same hash (``keys.span_handle``) of its rows in the
-  model's dtype, made from the row digests its placeholder ids came from (no second pass): a span
-  sent inline again, by any client, is the same key. ``RowsTransport`` wraps SGLang's own
+  keeps it (``handles.SpanStore``), else the same hash (``keys.span_handle``) of its rows as
+  sent, under which its placeholder ids are remembered (``prompts.build_ids``): a span sent
+  inline again, by any client, is the same key. ``RowsTransport`` wraps SGLang's own
   dispatch transport (``TokenizerManager.positional_embeds_transport``); just before a request is
   sent it leaves out the rows of every span the scheduler holds from it, and notes the spans
   whose rows cross now.
@@ -41,6 +41,7 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt.handles import budget_bytes
+from sgl_embeds_srt.keys import raw_bytes
 from sgl_embeds_srt.lru import LRU, nbytes
 
 
@@ -120,8 +121,8 @@ class RowsOnTheWire:
         self.rows = rows
 
     def __reduce__(self) -> tuple:
-        t = self.rows.contiguous()
-        flat = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.empty(0, np.uint8)
+        t = self.rows
+        flat = np.frombuffer(raw_bytes(t), np.uint8)
         return _rows_from_bytes, (flat, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
     @staticmethod
