@@ -1,4 +1,4 @@
-"""The binary request body vs JSON + base64, and row keys v2 (BLAKE3) vs v1, without a server.
+"""The binary request body vs JSON + base64, and row keys v3 (BLAKE3) vs v1, without a server.
 
 For one span at the sizes real VLMs send (LLaVA-NeXT 2880 x 4096, LLaVA-1.5 576 x 4096, the demo
 model's 4096 x 576; bfloat16 unless a size says otherwise), in this process, medians:
@@ -8,7 +8,8 @@ model's 4096 x 576; bfloat16 unless a size says otherwise), in this process, med
   binary: ``binary_body.decode_body`` + the same parser, values checked);
 * encode: the request (a tensor) -> body bytes, the client's side;
 * keys: the rows' placeholder ids and the handle, v1 (a blake2b per row, SHA-256 of the bytes)
-  vs v2 (``keys.row_digests``: a keyed BLAKE3 per row, all rows in one native call, and the
+  vs v3 (``keys.row_digests``: a keyed BLAKE3 per row, a key per dtype (v2, one key for every
+  dtype, ran at the same speed), all rows in one native call, and the
   same digests one blake3 call per row as where no compiler built it; the handle from the
   digests), and the routing hint alone (``keys.route_rows``: the start of each row digest, free
   where the handle's digests are at hand);
@@ -61,7 +62,7 @@ def v1_keys(rows: torch.Tensor) -> tuple[list[bytes], str]:
     return ids, handle.hexdigest()
 
 
-def v2_keys(rows: torch.Tensor) -> tuple[list[int], str]:
+def v3_keys(rows: torch.Tensor) -> tuple[list[int], str]:
     digests = keys.row_digests(rows)
     return placeholder_ids(rows, digests=digests), keys.span_handle(rows, digests)
 
@@ -85,10 +86,10 @@ def measure(n: int, hidden: int, dtype: str) -> dict[str, float]:
         "encode: JSON + base64": ms(lambda: orjson.dumps(request(wire.encode_tensor(rows)))),
         "encode: binary body": ms(lambda: binary_body.encode_body(request(rows))),
         "keys v1: blake2b per row + SHA-256": ms(lambda: v1_keys(rows)),
-        "keys v2: BLAKE3 per row, handle from digests (native)": ms(lambda: v2_keys(rows)),
-        "keys v2: the same digests, one blake3 call per row": ms(
-            lambda: keys.row_digests_by_row(raw, raw.nbytes // n)),
-        "keys v2: handle alone (client)": ms(lambda: keys.span_handle(rows)),
+        "keys v3: BLAKE3 per row, handle from digests (native)": ms(lambda: v3_keys(rows)),
+        "keys v3: the same digests, one blake3 call per row": ms(
+            lambda: keys.row_digests_by_row(raw, raw.nbytes // n, keys.row_key(rows.dtype))),
+        "keys v3: handle alone (client)": ms(lambda: keys.span_handle(rows)),
         "routing hint alone (row digests' starts)": ms(lambda: keys.route_rows(rows)),
     }
 

@@ -257,14 +257,16 @@ def breakdown(rows: torch.Tensor) -> dict[str, float]:
     body, _ = encode_ours(rows, binary=True)
     payload = binary_body.decode_body(body, 1 << 40)
     span = payload["input_segments"][0]["embeds"]
-    as_model = span.float()
+    digests = keys.row_digests(span)
     return {
         "decode_body (frame checks, a view of the body)": median_ms(lambda: binary_body.decode_body(body, 1 << 40)),
         "values check (NaN / Inf)": median_ms(lambda: wire.check_tensor(span, rows.shape[1])),
-        "to the model's dtype (float32)": median_ms(lambda: span.float()),
-        "row keys (keys.row_digests, native)": median_ms(lambda: keys.row_digests(as_model)),
-        "placeholder ids (keys + 62 bits each)": median_ms(lambda: placeholder_ids(as_model)),
-        "all: make_generate_req (parse, checks, dtype, keys, placeholders, span kept)": median_ms(
+        "row keys of the rows as sent (keys.row_digests, native)": median_ms(lambda: keys.row_digests(span)),
+        "content key from the row keys (keys.span_handle)": median_ms(lambda: keys.span_handle(span, digests)),
+        "placeholder ids from the row keys": median_ms(lambda: placeholder_ids(span, digests=digests)),
+        "(not on this path) the cast to float32 that SGLang's model runner makes of the rows it runs":
+            median_ms(lambda: span.float()),
+        "all: make_generate_req (parse, checks, keys, placeholders, span kept)": median_ms(
             lambda: make_generate_req(payload, spec, SpanStore(budget_bytes()), True)),
     }
 

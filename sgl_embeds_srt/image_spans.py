@@ -44,7 +44,7 @@ from sgl_embeds_srt.transport import PromptRows
 SERVED_MODEL_TYPES = ("qwen2_5_vl",)
 KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
-_IDENTITY_TAG = b"sgl_embeds/image/v2"  # v2: handles of keys.KEY_SCHEME blake3-rows/v2
+_IDENTITY_TAG = b"sgl_embeds/image/v3"  # v3: handles of keys.KEY_SCHEME blake3-rows/v3
 
 
 @dataclass(frozen=True)

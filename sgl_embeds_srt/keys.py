@@ -2,8 +2,10 @@
 
 * ``row_digests``: a 32-byte keyed BLAKE3 digest of each row's bytes, all rows in one native call
   (``csrc/row_digests.c``: the rows are the SIMD lanes, ~4-5 GB/s a core whatever the row width;
-  a Python loop of one call per row where it was not compiled, the same digests). The server's placeholder ids are their
-  first 62 bits (``placeholders.py``).
+  a Python loop of one call per row where it was not compiled, the same digests). The key names
+  the rows' dtype, so the same bytes read as another dtype (bfloat16 and float16 rows of one
+  width) are other rows. The server's placeholder ids are their first 62 bits
+  (``placeholders.py``).
 * ``span_handle``: the name a server keeps a span under (``srt/handles.py``): a keyed BLAKE3 of
   its dtype, shape and row digests (a two-level hash tree, so a server keeping a span gets its
   handle and its rows' keys from the same pass). Equal rows get equal handles, a handle cannot be
@@ -23,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterable
 
@@ -43,12 +46,24 @@ UNKNOWN_HANDLE_TYPE = "UnknownSpanHandle"
 ROUTE_TAG = " <sgl_embeds routing hint>"
 ROUTE_CHARS_PER_ROW = 6  # a row weighs about what a 1-2 token word weighs in the gateway's tree
 
-# The scheme of row digests and handles; v1 was a blake2b per row and a SHA-256 of the bytes.
-KEY_SCHEME = "blake3-rows/v2"
+# The scheme of row digests and handles. v3: a row key per dtype; v2 had one row key for all;
+# v1 was a blake2b per row and a SHA-256 of the bytes.
+KEY_SCHEME = "blake3-rows/v3"
 ROW_DIGEST_BYTES = 32
-# Keyed BLAKE3 (keys derived from the scheme's name): a row digest is never a handle's digest.
-_ROW_KEY = blake3(b"row", derive_key_context=f"sgl_embeds {KEY_SCHEME}").digest()
-_SPAN_KEY = blake3(b"span", derive_key_context=f"sgl_embeds {KEY_SCHEME}").digest()
+
+
+def _derived_key(purpose: str) -> bytes:
+    """Keyed BLAKE3, keys derived from the scheme's name: a row digest is never a handle's."""
+    return blake3(purpose.encode(), derive_key_context=f"sgl_embeds {KEY_SCHEME}").digest()
+
+
+_SPAN_KEY = _derived_key("span")
+
+
+@functools.cache
+def row_key(dtype: torch.dtype) -> bytes:
+    """The key of the digests of rows of ``dtype``."""
+    return _derived_key(f"row {dtype}")
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -66,21 +81,21 @@ _BYTES_PER_THREAD = 2 << 20
 def row_digests(t: torch.Tensor) -> bytes:
     """The ``ROW_DIGEST_BYTES`` keyed BLAKE3 digests of the rows of ``t`` ``[n, ...]``, back to
     back, in one native call (docs/performance.md has its speed)."""
-    raw = raw_bytes(t)
+    raw, key = raw_bytes(t), row_key(t.dtype)
     n = t.shape[0] if t.dim() else 1
     width = raw.nbytes // n if n else 0
     if width == 0:  # no bytes per row: each row's digest is the empty input's
-        return blake3(b"", key=_ROW_KEY).digest() * n
+        return blake3(b"", key=key).digest() * n
     if native_rows is not None:
         threads = max(1, min(HASH_THREADS, raw.nbytes // _BYTES_PER_THREAD))
-        return native_rows.digests(raw, width, _ROW_KEY, threads)
-    return row_digests_by_row(raw, width)
+        return native_rows.digests(raw, width, key, threads)
+    return row_digests_by_row(raw, width, key)
 
 
-def row_digests_by_row(raw: memoryview, width: int) -> bytes:
+def row_digests_by_row(raw: memoryview, width: int, key: bytes) -> bytes:
     """``row_digests`` one blake3 call per row: where the native pass was not built, and the
     reference the tests hold it to."""
-    return b"".join([blake3(raw[i:i + width], key=_ROW_KEY).digest()
+    return b"".join([blake3(raw[i:i + width], key=key).digest()
                      for i in range(0, raw.nbytes, width)])
 
 

@@ -1,12 +1,15 @@
 """Placeholder ids: how a span row stands in the engine's token-id sequence.
 
-Every span row gets a 62-bit content key of its bytes as the model sees them (after conversion
-to the model's dtype): the first 8 bytes (little-endian) of its row digest (``keys.row_digests``,
-keyed BLAKE3), low 62 bits, offset to lie in ``[2**62, 2**63)``. Real token ids are far below
-that, so the radix cache tells rows apart, matches identical rows, and never confuses a row with
-a token. The ids of a span are remembered under its content key (its handle, or the same hash of
-its rows as sent); a kept span sent in the model's dtype brings its row digests
-(``handles.SpanStore``), so its rows are hashed once, for its handle and its ids together.
+Every span row gets a 62-bit content key: the first 8 bytes (little-endian) of its row digest
+(``keys.row_digests``, keyed BLAKE3 with a key per dtype), low 62 bits, offset to lie in
+``[2**62, 2**63)``. The digest is of the row's bytes as sent when their cast to the model's dtype
+is exact (``prompts.EXACT_CASTS``: those bytes then name the model's row), else of the row as cast
+to the model's dtype. So equal ids mean the model sees equal rows (the same bytes of one dtype);
+the same values sent in another dtype get other ids, which costs a cache miss and never a wrong
+hit. Real token ids are far below ``2**62``, so the radix cache tells rows apart, matches
+identical rows, and never confuses a row with a token. The ids of a span are remembered under its
+content key (its handle, or the same hash of its rows as sent); a kept span brings its row
+digests (``handles.SpanStore``), so its rows are hashed once, for its handle and its ids together.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def remembered_ids(key: str, n_rows: int) -> list[int] | None:
 
 def placeholder_ids(rows: torch.Tensor, key: str | None = None,
                     digests: bytes | None = None) -> list[int]:
-    """Placeholder ids of a span's rows; ``rows`` must already be in the model's dtype.
+    """Placeholder ids of a span's rows: in the model's dtype, or in a dtype whose cast to it is
+    exact (``prompts.EXACT_CASTS``).
     ``key``: the span's content key (``keys.span_handle`` of its rows as sent; its handle when
     the server keeps it): the ids are then remembered under it.
     ``digests``: ``keys.row_digests(rows)`` when the caller has them."""

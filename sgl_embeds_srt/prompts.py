@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from sgl_embeds_srt import transport, wire
+from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
 from sgl_embeds_srt.keys import row_digests, span_handle
 from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
-from sgl_embeds_srt.placeholders import placeholder_ids, remembered_ids
+from sgl_embeds_srt.placeholders import placeholder_ids
 from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
 from sgl_embeds_srt.transport import PromptRows
@@ -76,7 +76,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
             check_image_span(s.image_grid_thw, s.tensor.shape[0], spec.vision,
                              ids[-1] if ids else None, f"segment {i}: ")
             # the span's content key: its handle, or the same hash of its rows as sent (whose row
-            # digests give its ids too, if not cast)
+            # digests give its ids too, unless the rows must be cast)
             sent_digests = s.row_digests if s.handle else row_digests(s.tensor)
             key = s.handle or span_handle(s.tensor, sent_digests)
             if spec.vision is None:
@@ -96,14 +96,15 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                          f"the model's context length of {spec.context_len}")
     if not rows_per_span:
         return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions, spec.dtype)
+    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows
 
 
-# Casts to the model's dtype that lose nothing (and so cannot overflow): rows the scheduler holds
-# may stay in such a wire dtype here, as they will not cross (the transport casts any that do)
+# Casts to the model's dtype that lose nothing (and so cannot overflow): rows sent in such a dtype
+# stay in it up to the model, which casts the rows it runs (SGLang's model runner does, for every
+# override); their bytes as sent name the model's rows, so they give the placeholder ids
 EXACT_CASTS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 
 
@@ -115,18 +116,16 @@ def _cast(s: Embeds, spec: ModelSpec, i: int) -> torch.Tensor:
     return t
 
 
-def _rows_and_ids(s: Embeds, key: str, sent_digests: bytes | None, spec: ModelSpec,
+def _rows_and_ids(s: Embeds, key: str, sent_digests: bytes, spec: ModelSpec,
                   i: int) -> tuple[torch.Tensor, list[int]]:
     """A span's rows for ``PromptRows`` and its placeholder ids (remembered under ``key``).
-    ``sent_digests``: the row digests of the rows as sent, if known.
-    Rows the scheduler holds, whose ids are remembered and whose cast is exact are not cast: they
-    do not cross, so the cast (a copy of twice the bytes) and the hash of its result are saved."""
-    if (s.tensor.dtype, spec.dtype) in EXACT_CASTS and transport.holds(key):
-        remembered = remembered_ids(key, s.tensor.shape[0])
-        if remembered is not None:
-            return s.tensor, remembered
+    ``sent_digests``: the row digests of the rows as sent. Rows in the model's dtype, or in one
+    whose cast to it is exact, are not cast here: no copy of (up to) twice their bytes, and their ids come from
+    the digests already made, so the HTTP process reads the bytes once."""
+    if s.tensor.dtype == spec.dtype or (s.tensor.dtype, spec.dtype) in EXACT_CASTS:
+        return s.tensor, placeholder_ids(s.tensor, key, sent_digests)
     t = _cast(s, spec, i)
-    return t, placeholder_ids(t, key, sent_digests if t.dtype == s.tensor.dtype else None)
+    return t, placeholder_ids(t, key)
 
 
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:

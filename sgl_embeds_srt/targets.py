@@ -143,8 +143,11 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.managers.overlap_utils.resolve_forward_inputs": server("prefill_input_ids_cpu.to(", fp="83e7c38a781eed48"),
     f"{_SB}.FAKE_BOOTSTRAP_HOST": server(),
     f"{_SB}.Req.set_finish_with_abort": server("origin_input_ids", "FINISH_ABORT", fp="678e9683a985331a"),
+    # the model runner scatters the override rows and casts them to the model's dtype: rows sent
+    # in a dtype whose cast to it is exact reach it uncast (prompts.EXACT_CASTS)
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
-        server("replace_embeds", "replace_positions", fp="0c1d0eb6ece06b1b"),
+        server("replace_embeds", "replace_positions", 'replace_embeds.to(kwargs["input_embeds"].dtype)',
+               fp="0c1d0eb6ece06b1b"),
     # -- image spans on M-RoPE VLMs (image_spans.py): our items adopt a 32-byte identity (no
     #    hash of the rows), padded ids and M-RoPE positions come from SGLang's own code, the
     #    scheduler takes our processed inputs as they are and pads with them, and the model

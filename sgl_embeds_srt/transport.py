@@ -13,6 +13,9 @@ has a content key, and its rows cross once per scheduler while the scheduler hol
   dispatch transport (``TokenizerManager.positional_embeds_transport``); just before a request is
   sent it leaves out the rows of every span the scheduler holds from it, and notes the spans
   whose rows cross now.
+  Rows cross in the dtype they were sent in when its cast to the model's is exact
+  (``prompts.EXACT_CASTS``; bfloat16 rows to a float32 model cross as half the bytes): SGLang's
+  model runner casts the override rows it runs, and the scheduler holds them as they came.
 * Scheduler side: SGLang calls ``reconstruct`` on every request's overrides first thing when it
   arrives (``Scheduler.process_input_requests``); ``PromptRows.reconstruct`` keeps the rows that
   crossed and puts back the ones that did not cross.
@@ -73,9 +76,6 @@ class PromptRows(PositionalEmbeds, array_like=True):
     # HTTP side only: the image items of an M-RoPE VLM's prompt (image_spans.py), which go to the
     # scheduler as SGLang's own multimodal inputs, never in this object (_for_wire drops them)
     images: object = None
-    # HTTP side only: the model's dtype. Rows of a span the scheduler holds may still be in their
-    # wire dtype (prompts.EXACT_CASTS); _for_wire casts any that cross
-    model_dtype: object = None
 
     def __post_init__(self) -> None:
         if all(s.crosses for s in self.spans):  # PositionalEmbeds' check, once all rows are here
@@ -88,17 +88,13 @@ class PromptRows(PositionalEmbeds, array_like=True):
 
     @classmethod
     def from_spans(cls, rows_per_span: list[torch.Tensor], span_keys: list[str | None],
-                   positions: list[int], model_dtype: torch.dtype | None = None) -> PromptRows:
-        """A prompt's spans (rows, content keys) in prompt order. Rows not in ``model_dtype``
-        (the model's) are cast where they cross."""
-        # one span: its rows as they are (a kept span's rows are not copied)
+                   positions: list[int]) -> PromptRows:
+        """A prompt's spans (rows, content keys) in prompt order."""
+        # one span: its rows as they are (a kept span's rows are not copied). Spans of several
+        # dtypes occur on a float32 model only (prompts.EXACT_CASTS): torch.cat promotes to it
         embeds = rows_per_span[0] if len(rows_per_span) == 1 else torch.cat(rows_per_span)
         spans = [SpanPart(key, rows.shape[0]) for rows, key in zip(rows_per_span, span_keys)]
-        return cls(embeds, positions, spans=spans, model_dtype=model_dtype)
-
-    def in_model_dtype(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` of this prompt as they cross: in the model's dtype."""
-        return rows if self.model_dtype is None else rows.to(self.model_dtype)
+        return cls(embeds, positions, spans=spans)
 
     @classmethod
     def checked(cls, overrides: PositionalEmbeds) -> PromptRows:
@@ -223,12 +219,6 @@ class RowsTransport:
     def budget(self) -> int:
         return self._held.budget
 
-    def holds(self, key: str) -> bool:
-        """Whether the scheduler holds ``key``'s rows from this process (they then do not cross,
-        unless they are let go before the request is sent)."""
-        with self._lock:
-            return self.on and key in self._held
-
     def release(self, handle: str) -> None:
         """Let the scheduler drop ``handle``'s rows (deleted from the handle store)."""
         with self._lock:
@@ -269,7 +259,7 @@ class RowsTransport:
         """A new object (requests may share one): rows of spans the scheduler holds left out."""
         if not self.on or not any(s.key for s in prompt_rows.spans):
             self.rows_crossed += len(prompt_rows.positions)
-            rows = RowsOnTheWire.wrap(prompt_rows.in_model_dtype(prompt_rows.embeds))
+            rows = RowsOnTheWire.wrap(prompt_rows.embeds)
             return PositionalEmbeds(rows, prompt_rows.positions), ([], [])
         crossing, spans, newly_held, offset = [], [], [], 0
         for span in prompt_rows.spans:
@@ -293,7 +283,7 @@ class RowsTransport:
         # a new tensor of the rows that cross (pickling a view would send the whole storage)
         embeds = (prompt_rows.embeds if all(s.crosses for s in spans)
                   else torch.cat(crossing) if crossing else None)
-        embeds = None if embeds is None else RowsOnTheWire.wrap(prompt_rows.in_model_dtype(embeds))
+        embeds = None if embeds is None else RowsOnTheWire.wrap(embeds)
         return PromptRows(embeds, prompt_rows.positions, spans=spans, sender=self.sender,
                           released=released), (newly_held, released)
 
@@ -309,11 +299,6 @@ def init_positional_embeds_transport(original: Callable, self: Any, *args: Any,
                                                      enabled(self.server_args), budget_bytes())
     _TRANSPORTS.append(self.positional_embeds_transport)
     return result
-
-
-def holds(key: str) -> bool:
-    """Whether this process's transport has the scheduler hold ``key``'s rows."""
-    return bool(_TRANSPORTS) and _TRANSPORTS[-1].holds(key)
 
 
 def release(handle: str) -> None:

@@ -195,4 +195,4 @@ def test_info_advertises_the_binary_body_and_the_key_scheme(monkeypatch):
     monkeypatch.setattr(asgi, "server_spec", lambda: spec)
     monkeypatch.setattr(own_routes.transport, "stats", lambda: {})
     info = own_routes.info(handles.SpanStore(1 << 20))
-    assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v2"
+    assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v3"

@@ -5,24 +5,48 @@ from __future__ import annotations
 
 import pytest
 import torch
+from blake3 import blake3
 
 from sgl_embeds_srt import keys, placeholders, prompts, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.lru import LRU, nbytes
 from sgl_embeds_srt.parse import parse_prompts
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
+from sgl_embeds_srt.segments import Embeds
 
 # Pinned: a change here changes every handle and placeholder id. Bump keys.KEY_SCHEME with it
 # (clients and servers of different schemes never agree on a handle) and update docs/concepts.md.
 PINNED_ROWS = torch.arange(8, dtype=torch.float32).reshape(2, 4)
-PINNED_HANDLE = "span-a6092ba1c6f09539b7b1edb5b705ba7e22eed828d0e574df198a8ccda90795a1"
-PINNED_IDS = [7411569373720037247, 8559117142896220527]
+PINNED_HANDLE = "span-1ca2fefc424f9c236f33c271a72a2dcf00fafbf4035eebafc8453622d20a417a"
+PINNED_IDS = [6169683634844634225, 8591161410362431493]
 
 
 def test_the_key_scheme_is_pinned():
-    assert keys.KEY_SCHEME == "blake3-rows/v2"
+    assert keys.KEY_SCHEME == "blake3-rows/v3"
     assert keys.span_handle(PINNED_ROWS) == PINNED_HANDLE
     assert placeholders.placeholder_ids(PINNED_ROWS) == PINNED_IDS
+
+
+def test_the_ids_are_what_docs_concepts_says():
+    """The formula of docs/concepts.md, with the blake3 package alone."""
+    context = "sgl_embeds blake3-rows/v3"
+    for rows in (PINNED_ROWS, PINNED_ROWS.bfloat16()):
+        row_key = blake3(f"row {rows.dtype}".encode(), derive_key_context=context).digest()
+        expected = []
+        for row in rows:
+            digest = blake3(row.contiguous().view(torch.uint8).numpy().tobytes(), key=row_key).digest()
+            expected.append(2**62 | int.from_bytes(digest[:8], "little") & (2**62 - 1))
+        assert placeholders.placeholder_ids(rows) == expected
+
+
+def test_the_same_bytes_in_another_dtype_are_other_rows():
+    """bfloat16 and float16 rows of one width have bytes of one length: the row key names the
+    dtype, so equal bytes read as other values never share a digest or a placeholder id."""
+    as_bf16 = torch.randn(4, 16).bfloat16()
+    as_f16 = as_bf16.view(torch.float16)  # the same bytes
+    assert keys.raw_bytes(as_bf16) == keys.raw_bytes(as_f16)
+    assert set(placeholders.placeholder_ids(as_bf16)).isdisjoint(placeholders.placeholder_ids(as_f16))
+    assert keys.route_rows(as_bf16) != keys.route_rows(as_f16)
 
 
 def test_the_pinned_keys_are_the_same_without_the_native_pass(monkeypatch):
@@ -36,15 +60,15 @@ def test_the_native_pass_gives_each_rows_own_blake3_digest():
     (a partial block, one block, a chunk and one byte more, 2-3 chunks, a 17-chunk tree), row
     counts around its 16 lanes, one thread and several."""
     assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests (a C compiler?)"
-    rng = torch.Generator().manual_seed(0)
+    rng, key = torch.Generator().manual_seed(0), keys.row_key(torch.uint8)
     for width in [1, 63, 64, 65, 1023, 1024, 1025, 1152, 2048, 2049, 3073, 8192, 17000]:
         for n in [1, 15, 16, 17, 40]:
             raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=rng).numpy().tobytes()
-            expected = keys.row_digests_by_row(memoryview(raw), width)
+            expected = keys.row_digests_by_row(memoryview(raw), width, key)
             for threads in (1, 3):
-                assert keys.native_rows.digests(raw, width, keys._ROW_KEY, threads) == expected, (width, n, threads)
+                assert keys.native_rows.digests(raw, width, key, threads) == expected, (width, n, threads)
     with pytest.raises(ValueError, match="divide"):
-        keys.native_rows.digests(b"abc", 2, keys._ROW_KEY)
+        keys.native_rows.digests(b"abc", 2, key)
 
 
 def test_row_digests_are_per_row_and_the_handle_is_built_from_them():
@@ -131,3 +155,17 @@ def test_rows_cast_to_the_model_dtype_are_hashed_as_the_model_sees_them(monkeypa
     monkeypatch.setattr(placeholders, "_KEPT", LRU(1 << 20, nbytes))
     calls.clear()
     assert build_ids(segments, _spec(torch.float32))[0] == expected_float32 and calls == [(3, 16)]
+
+
+def test_rows_whose_cast_is_exact_stay_as_sent_and_are_hashed_once(monkeypatch):
+    """bfloat16 / float16 rows to a float32 model: one pass over the bytes as sent gives the
+    content key and the ids, and the rows reach the transport uncast (the model casts them)."""
+    calls = _counting_row_digests(monkeypatch)
+    rows = torch.randn(5, 16).bfloat16()
+    ids, prompt_rows = build_ids([Embeds(rows)], _spec(torch.float32))
+    assert calls == [(5, 16)] and ids == placeholders.placeholder_ids(rows)
+    assert prompt_rows.embeds is rows
+    assert ids != placeholders.placeholder_ids(rows.float())  # another dtype: other rows
+    # the same bytes as float16 are other values: other ids, never the bfloat16 rows' KV
+    f16_ids, f16_rows = build_ids([Embeds(rows.view(torch.float16))], _spec(torch.float32))
+    assert set(f16_ids).isdisjoint(ids) and f16_rows.embeds.dtype == torch.float16

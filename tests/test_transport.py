@@ -92,33 +92,31 @@ def inline(t: torch.Tensor) -> SimpleNamespace:
 
 def test_a_span_sent_inline_again_crosses_once(held, monkeypatch):
     """Not kept by handle, a span still has a content key (the same hash of its rows as sent), so
-    the same rows inline again, from any client, do not cross again; rows the scheduler holds
-    are then not even cast to the model's dtype (bfloat16 to float32 here: exact)."""
+    the same rows inline again, from any client, do not cross again."""
     link = Link()
     monkeypatch.setattr(transport, "_TRANSPORTS", [link.http])
-    a = rows(64, 21).bfloat16()
-    first = link.send(inline(a))[0]
-    assert first.embeds.dtype == torch.float32 and torch.equal(first.embeds, a.float())
-    again = inline(a.clone())
-    assert again.positional_embed_overrides.embeds.dtype == torch.bfloat16  # held: left uncast
-    assert torch.equal(link.send(again)[0].embeds, a.float())
+    a = rows(64, 21)
+    assert torch.equal(link.send(inline(a))[0].embeds, a)
+    assert torch.equal(link.send(inline(a.clone()))[0].embeds, a)
     assert link.wire_bytes[1] < link.wire_bytes[0] / 5
     other = a.clone()
     other[5, 3] += 1
-    assert torch.equal(link.send(inline(other))[0].embeds, other.float())
+    assert torch.equal(link.send(inline(other))[0].embeds, other)
     assert link.http.stats()["rows_sent"] == 128 and link.http.stats()["rows_left_out"] == 64
 
 
-def test_rows_left_uncast_are_cast_if_they_must_cross_after_all(held, monkeypatch):
-    link = Link(budget=64 * HIDDEN * 4)  # one span of 64 float32 rows
+def test_rows_whose_cast_is_exact_cross_as_sent(held, monkeypatch):
+    """bfloat16 rows to a float32 model cross as bfloat16 (half the bytes; SGLang's model runner
+    casts the rows it runs) and the scheduler holds them so, alone or beside float32 rows."""
+    link = Link()
     monkeypatch.setattr(transport, "_TRANSPORTS", [link.http])
-    a, b = rows(64, 22).bfloat16(), rows(64, 23).bfloat16()
-    link.send(inline(a))
-    late = inline(a)  # built while the scheduler holds a: left in bfloat16
-    assert late.positional_embed_overrides.embeds.dtype == torch.bfloat16
-    link.send(inline(b))  # b takes a's place before late is sent
-    out = link.send(late)[0]
-    assert out.embeds.dtype == torch.float32 and torch.equal(out.embeds, a.float())
+    a, b = rows(256, 22).bfloat16(), rows(256, 23)
+    crossed = link.send(inline(a))[0].embeds
+    assert crossed.dtype == torch.bfloat16 and torch.equal(crossed, a)
+    assert link.wire_bytes[0] < 256 * HIDDEN * 2 + 1024 and held.sizes() == (1, 256 * HIDDEN * 2)
+    both = SimpleNamespace(positional_embed_overrides=build_ids([Embeds(a), Embeds(b)], SPEC)[1])
+    mixed = link.send(both)[0].embeds  # a from the scheduler, b crossed: promoted, exactly
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, torch.cat([a.float(), b]))
 
 
 def test_two_requests_in_one_message_and_several_senders(held):
