@@ -14,7 +14,7 @@ per round, rounds rotating the order, all posted with the same client (urllib):
 
 * ``binary body, first send``: what ``EmbedsEndpoint`` does with a span it has not sent before
   (``SpanWriter`` with kept spans: values checked, routing hint, handle; then
-  ``binary_body.encode_body``), new rows every round;
+  ``binary_body.encode_parts``, posted in parts as the endpoint posts them), new rows every round;
 * ``binary body, sent again``: the same rows every round, inline again (as curl or another
   language would send them): the server knows their key, the scheduler holds their rows;
 * ``JSON base64, first send``: the writer with base64 rows, an ``orjson`` body, new rows;
@@ -142,8 +142,8 @@ def _serve(port: int, hidden: int, plugin: bool, address: str, ready) -> None:
         plugin_http.install(http_server.app)
         read_body = asgi.read_body
 
-        async def timed_read_body(receive, limit):  # when our middleware has the whole body
-            out = await read_body(receive, limit)
+        async def timed_read_body(scope, receive, limit):  # when our middleware has the whole body
+            out = await read_body(scope, receive, limit)
             BODY_READ["last"] = time.monotonic()
             return out
 
@@ -198,13 +198,16 @@ class StandIn:
                 time.sleep(0.1)
         raise RuntimeError("the stand-in server did not start")
 
-    def post(self, body: bytes, content_type: str) -> tuple[dict, float, float]:
-        """The response's timings, the whole request's seconds, and the server's peak extra KB."""
+    def post(self, body: bytes | list, content_type: str) -> tuple[dict, float, float]:
+        """The response's timings, the whole request's seconds, and the server's peak extra KB.
+        ``body``: bytes, or parts sent one after another (``binary_body.encode_parts``)."""
         os.sched_yield()
         Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
         rss_kb = _status_kb(self.process.pid, "VmRSS")
         t0 = time.perf_counter()
-        request = urllib.request.Request(self.url + "/generate", data=body, headers={"Content-Type": content_type})
+        size = sum(memoryview(p).nbytes for p in body) if isinstance(body, list) else len(body)
+        headers = {"Content-Type": content_type, "Content-Length": str(size)}
+        request = urllib.request.Request(self.url + "/generate", data=body, headers=headers)
         with urllib.request.urlopen(request, timeout=600) as res:
             meta = orjson.loads(res.read())["meta_info"]
         return meta, time.perf_counter() - t0, meta["peak_kb"] - rss_kb
@@ -217,13 +220,15 @@ class StandIn:
 
 # ---- the client's encodings ----
 
-def encode_ours(rows: torch.Tensor, binary: bool) -> tuple[bytes, str]:
+def encode_ours(rows: torch.Tensor, binary: bool) -> tuple[bytes | list, str]:
     """A first send by EmbedsEndpoint: the writer with kept spans (values checked, routing hint,
-    handle), then the body."""
+    handle), then the body (binary: in parts, as the endpoint posts it, the rows not copied)."""
     writer = SpanWriter(rows.shape[1], "base64", wire.DTYPE_NAMES[rows.dtype], kept=KeptSpans())
     fields = writer.fields("input_segments", [[Embeds(rows)]], False, raw_rows=binary)
     body = {**fields, "sampling_params": {"max_new_tokens": 1}}
-    return binary_body.encode_body(body) if binary else (orjson.dumps(body), "application/json")
+    if binary:
+        return binary_body.encode_parts(body), binary_body.CONTENT_TYPE
+    return orjson.dumps(body), "application/json"
 
 
 def encode_stock(rows: torch.Tensor) -> tuple[bytes, str]:
@@ -254,7 +259,7 @@ def breakdown(rows: torch.Tensor) -> dict[str, float]:
     from sgl_embeds_srt.prompts import ModelSpec, make_generate_req
 
     spec = ModelSpec(rows.shape[1], torch.float32, VOCAB, 1 << 20, None)
-    body, _ = encode_ours(rows, binary=True)
+    body = b"".join(encode_ours(rows, binary=True)[0])  # as the server has it, joined
     payload = binary_body.decode_body(body, 1 << 40)
     span = payload["input_segments"][0]["embeds"]
     digests = keys.row_digests(span)

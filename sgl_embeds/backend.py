@@ -231,18 +231,20 @@ class EmbedsEndpoint(RuntimeEndpoint):
         url = self.base_url + "/generate"
         if not binary:
             return http_request(url, json=body, api_key=self.api_key, verify=self.verify)
-        data, content_type = binary_body.encode_body(body)
-        headers = {"Content-Type": content_type}
+        parts = binary_body.encode_parts(body)
+        headers = {"Content-Type": binary_body.CONTENT_TYPE}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        return _post_bytes(url, data, headers, self.verify)
+        return _post_bytes(url, parts, headers, self.verify)
 
 
-def _post_bytes(url: str, data: bytes, headers: dict, verify: str | None) -> HttpResponse:
-    """``data`` posted over urllib, as ``sglang.utils.http_request`` posts JSON (the same client
-    and response type on both paths; an HTTP error is a response, as there)."""
+def _post_bytes(url: str, parts: list, headers: dict, verify: str | None) -> HttpResponse:
+    """A body in ``parts`` (buffers, sent one after another: never joined) posted over urllib,
+    as ``sglang.utils.http_request`` posts JSON (the same client and response type on both
+    paths; an HTTP error is a response, as there)."""
     context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
-    request = urllib.request.Request(url, data=data, headers=headers)
+    headers = {**headers, "Content-Length": str(sum(memoryview(p).nbytes for p in parts))}
+    request = urllib.request.Request(url, data=parts, headers=headers)
     try:
         return HttpResponse(urllib.request.urlopen(request, context=context))
     except urllib.error.HTTPError as e:

@@ -11,7 +11,7 @@ range of the buffer (offsets from the buffer's start, the rows row-major and lit
 
 So no base64 and no multi-megabyte JSON string is ever built or parsed, and a decoded span is a
 view of the received body (a copy only where its range is not aligned to its dtype;
-``encode_body`` aligns every range). A range stands only where a span goes (``SPAN_FIELDS``: a
+``encode_parts`` aligns every range). A range stands only where a span goes (``SPAN_FIELDS``: a
 body's top-level ``input_embeds``, or an item of its list, and ``embeds`` (an upload); and the
 span of a segment ``{"type": "embeds", "embeds": ...}`` or of a chat part ``{"type":
 "input_embeds", "input_embeds": ...}``): the decoded request is the JSON form's with tensors at
@@ -21,7 +21,7 @@ those places, and every route reads it as it reads a JSON body.
 body, each range's dtype, shape and size limit (``wire.declared_size``, as for base64) against
 its length and the buffer, no two ranges overlapping; each error a ``wire.WireError`` naming the
 field. Values (NaN, Inf) are checked where every span's are, once, when the request is parsed
-(``wire.decode_tensor``). Bytes that no range covers (``encode_body``'s alignment padding) are
+(``wire.decode_tensor``). Bytes that no range covers (``encode_parts``' alignment padding) are
 ignored.
 """
 
@@ -41,7 +41,7 @@ from sgl_embeds_srt import wire
 from sgl_embeds_srt.keys import raw_bytes
 
 CONTENT_TYPE = "application/x-sgl-embeds"
-ALIGN = 64  # encode_body starts the buffer and each range at a multiple of this
+ALIGN = 64  # encode_parts starts the buffer and each range at a multiple of this
 # The fields that take a span (a top-level input_embeds also a list of them); below the top, in
 # an object whose type names the field (a segment or a chat part)
 SPAN_FIELDS = ("input_embeds", "embeds")
@@ -55,18 +55,22 @@ def is_binary(content_type: str | bytes | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == CONTENT_TYPE
 
 
-def encode_body(request: dict, dtype: str | None = None) -> tuple[bytes, str]:
+def encode_parts(request: dict, dtype: str | None = None) -> list[bytes | memoryview]:
     """A request whose spans are tensors (torch or numpy, where its JSON form takes a wire
-    tensor) as a binary body, and its content type. A tensor goes in ``dtype``, by default its
-    own (float32 if it is none of ``wire.DTYPES``), as ``wire.encode_tensor`` does."""
-    buffer: list[Any] = []
+    tensor) as a binary body in parts, back to back: the frame and head, then each tensor's
+    bytes as they are (a view, not a copy) with the alignment padding between. A tensor goes in
+    ``dtype``, by default its own (float32 if it is none of ``wire.DTYPES``), as
+    ``wire.encode_tensor`` does. A client posts the parts as they are (``sum(part lengths)``
+    as its Content-Length), so the body is never copied into one buffer."""
+    buffer: list[bytes | memoryview] = []
     size = 0
 
     def as_range(x: Any) -> dict:
         nonlocal size
         t = wire.as_wire_tensor(x, "base64", dtype)
         pad = -size % ALIGN
-        buffer.append(bytes(pad))
+        if pad:
+            buffer.append(bytes(pad))
         begin = size + pad
         raw = raw_bytes(t)
         if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
@@ -78,7 +82,12 @@ def encode_body(request: dict, dtype: str | None = None) -> tuple[bytes, str]:
 
     head = orjson.dumps(map_tensors(request, as_range))
     head += b" " * (-(8 + len(head)) % ALIGN)  # JSON allows trailing spaces
-    return b"".join([struct.pack("<Q", len(head)), head, *buffer]), CONTENT_TYPE
+    return [struct.pack("<Q", len(head)) + head, *buffer]
+
+
+def encode_body(request: dict, dtype: str | None = None) -> tuple[bytes, str]:
+    """``encode_parts`` as one ``bytes``, and its content type."""
+    return b"".join(encode_parts(request, dtype)), CONTENT_TYPE
 
 
 def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:

@@ -163,7 +163,9 @@ class SchedulerRows:
 
     def _keep(self, sender: str, key: str, rows: torch.Tensor) -> None:
         if key not in self._rows:
-            self._rows[key] = rows if rows._base is None else rows.clone()  # not a view of more
+            # not a view of more (another span's rows in one message): a copy of its own
+            alone = rows.untyped_storage().nbytes() == rows.nbytes and rows.is_contiguous()
+            self._rows[key] = rows if alone else rows.clone()
         self._keepers.setdefault(key, set()).add(sender)
 
     def _release(self, sender: str, key: str) -> None:

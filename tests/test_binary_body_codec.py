@@ -49,6 +49,18 @@ def test_spans_round_trip_exactly_as_views_of_the_body(dtype, shape):
     assert start <= got_a.data_ptr() < got_b.data_ptr() < start + len(body)  # no copy
 
 
+def test_the_parts_are_the_body_and_view_the_rows_without_a_copy():
+    """What a client posts (``encode_parts``, sent one after another): the body's bytes, each
+    span's part a view of its tensor (no copy of the rows on the client)."""
+    a, b = torch.randn(5, 24).bfloat16(), torch.randn(3, 24)
+    request = {"input_segments": [{"type": "embeds", "embeds": a}, {"type": "text", "text": "x"},
+                                  {"type": "embeds", "embeds": b}]}
+    parts = binary_body.encode_parts(request)
+    assert b"".join(parts) == binary_body.encode_body(request)[0]
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert [np.frombuffer(v, np.uint8).ctypes.data for v in views] == [a.data_ptr(), b.data_ptr()]
+
+
 def test_batches_uploads_chat_parts_numpy_and_a_wire_dtype():
     rows = [torch.randn(2, 8), torch.randn(4, 8)]
     batch = binary_body.decode_body(binary_body.encode_body({"input_embeds": rows}, "float16")[0])

@@ -10,9 +10,10 @@ import os
 from types import SimpleNamespace
 
 import orjson
+import pytest
 import torch
 
-from sgl_embeds_srt import binary_body, handles, http, parse
+from sgl_embeds_srt import binary_body, handles, http, parse, wire
 from sgl_embeds_srt.http import asgi, middleware, own_routes
 
 BINARY = [(b"content-type", binary_body.CONTENT_TYPE.encode())]
@@ -196,3 +197,41 @@ def test_info_advertises_the_binary_body_and_the_key_scheme(monkeypatch):
     monkeypatch.setattr(own_routes.transport, "stats", lambda: {})
     info = own_routes.info(handles.SpanStore(1 << 20))
     assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v3"
+
+
+def _read(chunks: list[bytes], headers: list, limit: int = 1 << 20, disconnect: bool = False):
+    """``asgi.read_body`` over ``chunks`` (then a disconnect, if asked); also how many were read."""
+    left = list(chunks)
+
+    async def receive():
+        if left:
+            c = left.pop(0)
+            return {"type": "http.request", "body": c, "more_body": bool(left) or disconnect}
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "headers": headers}
+    return asyncio.run(asgi.read_body(scope, receive, limit)), len(chunks) - len(left)
+
+
+def test_a_binary_body_of_a_declared_length_is_read_into_one_buffer():
+    body = binary_body.encode_body({"input_embeds": torch.randn(5, 8)})[0]
+    chunks = [body[i:i + 7] for i in range(0, len(body), 7)]
+    declared = [*BINARY, (b"content-length", str(len(body)).encode())]
+    (got, too_big), _ = _read(chunks, declared)
+    assert not too_big and isinstance(got, memoryview) and bytes(got) == body
+    assert torch.equal(binary_body.decode_body(got)["input_embeds"], binary_body.decode_body(body)["input_embeds"])
+    # a client gone before the end: the bytes that came, which the decoder calls truncated
+    (got, too_big), _ = _read(chunks[:5], declared, disconnect=True)
+    assert not too_big and bytes(got) == body[:35]
+    with pytest.raises(wire.WireError, match="truncated"):
+        binary_body.decode_body(got)
+    # declared over the limit: refused before a byte is read or a buffer allocated
+    assert _read(chunks, declared, limit=len(body) - 1) == ((b"", True), 0)
+    # no declared length, or a JSON body: the chunks joined, as bytes
+    for headers in (BINARY, [(b"content-length", str(len(body)).encode())]):
+        (got, too_big), _ = _read(chunks, headers)
+        assert not too_big and type(got) is bytes and got == body
+    assert _read(chunks, BINARY, limit=20) == ((b"", True), 3)
+    # more than declared (no HTTP server passes that on): still the whole body, joined
+    (got, too_big), _ = _read(chunks, [*BINARY, (b"content-length", b"10")])
+    assert not too_big and got == body

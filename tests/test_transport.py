@@ -240,3 +240,16 @@ def test_rows_cross_as_their_bytes_and_arrive_as_a_tensor():
     back += 1  # writable, as SGLang's own overrides are
     cuda_like = SimpleNamespace(is_cuda=True)
     assert RowsOnTheWire.wrap(cuda_like) is cuda_like  # not a CPU tensor: SGLang's CUDA IPC takes it
+
+
+def test_the_scheduler_keeps_rows_that_crossed_alone_without_a_copy(held):
+    """One span's rows arrive as a tensor of their own: kept as they are. Two spans in one
+    message share the message's storage: each is kept as a copy of its own rows only."""
+    link = Link()
+    a, b, c = rows(40, 41), rows(7, 42), rows(9, 43)
+    arrived = link.send(request([(a, "span-a")]))[0]
+    assert held._rows["span-a"].data_ptr() == arrived.embeds.data_ptr()
+    link.send(request([(b, "span-b"), (c, "span-c")]))
+    for key, t in (("span-b", b), ("span-c", c)):
+        kept = held._rows[key]
+        assert torch.equal(kept, t) and kept.untyped_storage().nbytes() == t.nbytes

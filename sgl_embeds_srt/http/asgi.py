@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import numpy as np
 import orjson
 from fastapi.responses import ORJSONResponse
 
@@ -59,21 +60,44 @@ def parse_body(scope: dict, body: bytes, max_span_bytes: int) -> Any:
     return parse_json(body)
 
 
-async def read_body(receive: Callable, limit: int) -> tuple[bytes, bool]:
-    """The request body and whether it exceeds ``limit`` bytes (then it is not read further)."""
+async def read_body(scope: dict, receive: Callable, limit: int) -> tuple[bytes | memoryview, bool]:
+    """The request body and whether it exceeds ``limit`` bytes (then it is not read further).
+
+    A binary body of a declared length is read into one buffer allocated for it, each chunk
+    copied in as it arrives: the copy (and the buffer's new pages) overlaps the transfer,
+    instead of a join of every chunk once the last has come (a body of a short transfer, a
+    client gone, is the bytes that came). Any other body, or one longer than declared, is
+    joined (``bytes``, as SGLang's own routes read it)."""
+    declared = _content_length(scope) if is_binary(scope) else None
+    if declared is not None and declared > limit:
+        return b"", True
+    buffer = None if declared is None else np.empty(declared, np.uint8)  # pages untouched yet
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             break
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        if size + len(chunk) > limit:
             return b"", True
-        chunks.append(chunk)
+        if buffer is not None and size + len(chunk) > declared:  # never from an HTTP server
+            chunks, buffer = [buffer[:size].tobytes()], None
+        if buffer is not None:
+            buffer[size:size + len(chunk)] = np.frombuffer(chunk, np.uint8)
+        else:
+            chunks.append(chunk)
+        size += len(chunk)
         if not message.get("more_body", False):
             break
-    return b"".join(chunks), False
+    return (b"".join(chunks) if buffer is None else memoryview(buffer[:size])), False
+
+
+def _content_length(scope: dict) -> int | None:
+    value = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def with_length(message: dict, n: int, content_type: bytes | None = None) -> dict:

@@ -93,7 +93,7 @@ class SpanMiddleware:
         route = ROUTES.get(path) if scope["type"] == "http" else None
         if route is None or method not in ("POST", "PUT"):
             return await self.app(scope, receive, send)
-        body, too_big = await asgi.read_body(receive, asgi.max_body_bytes())
+        body, too_big = await asgi.read_body(scope, receive, asgi.max_body_bytes())
         if too_big:
             limit = asgi.max_body_bytes()
             response = asgi.error_response(f"request body exceeds the limit of {limit} bytes", 413)

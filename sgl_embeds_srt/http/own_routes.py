@@ -51,7 +51,7 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
     if path == INFO_PATH and method == "GET":
         response: Any = ORJSONResponse(info(store))
     elif path == handles.PATH and method == "POST":
-        body, too_big = await asgi.read_body(receive, asgi.max_body_bytes())
+        body, too_big = await asgi.read_body(scope, receive, asgi.max_body_bytes())
         try:
             payload = None if too_big else asgi.parse_body(scope, body, store.budget)
             if not isinstance(payload, dict):
