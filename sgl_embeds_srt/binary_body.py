@@ -133,8 +133,9 @@ def decode_body(body: bytes | bytearray | memoryview,
         if after.begin < before.end:
             raise wire.WireError(f"{after.where}: data_offsets {[after.begin, after.end]} overlap "
                                  f"those of {before.where} {[before.begin, before.end]}")
+    whole = _whole(data) if ranges else None
     for r in ranges:
-        r.node[r.key] = _view(data, r.dtype, r.shape, start + r.begin, r.end - r.begin)
+        r.node[r.key] = _view(whole, r.dtype, r.shape, start + r.begin, r.end - r.begin)
     return head
 
 
@@ -205,21 +206,25 @@ def _checked(node: Any, key: Any, where: str, buffer_size: int, max_bytes: int) 
     return _Range(node, key, where, wire.DTYPES[ref["dtype"]], shape, begin, end)
 
 
-def _view(data: memoryview, dtype: torch.dtype, shape: list[int], offset: int,
-          nbytes: int) -> torch.Tensor:
-    """The tensor at ``data[offset:offset + nbytes]``: a view where the bytes are aligned to the
-    dtype on a little-endian host, else a copy."""
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        swapped = np.frombuffer(data, f"<u{dtype.itemsize}", nbytes // dtype.itemsize, offset)
-        return torch.from_numpy(swapped.astype(f"=u{dtype.itemsize}")).view(dtype).reshape(shape)
-    address = np.frombuffer(data, np.uint8, 1, offset).ctypes.data
-    if address % dtype.itemsize:
-        return torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=dtype).reshape(shape)
-    # A view of the body (no copy): spans are only ever read; the engine copies them when it
-    # converts or concatenates rows, and the span store keeps a copy.
+def _whole(data: memoryview) -> torch.Tensor:
+    """The body as one uint8 tensor: its spans are views of it, so each span's storage is the
+    whole body (``handles.SpanStore`` keeps a span that is nearly all of it without a copy)."""
+    # Spans are only ever read; the engine copies them when it converts or concatenates rows.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize,
-                                offset=offset).reshape(shape)
+        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def _view(whole: torch.Tensor, dtype: torch.dtype, shape: list[int], offset: int,
+          nbytes: int) -> torch.Tensor:
+    """The tensor at ``whole[offset:offset + nbytes]``: a view where the bytes are aligned to
+    the dtype on a little-endian host, else a copy."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = whole[offset:offset + nbytes]
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        swapped = raw.numpy().view(f"<u{dtype.itemsize}").astype(f"=u{dtype.itemsize}")
+        return torch.from_numpy(swapped).view(dtype).reshape(shape)
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)

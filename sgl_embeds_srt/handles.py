@@ -43,7 +43,21 @@ class UnknownSpanHandle(wire.WireError):
 
 
 def _weight(span: Embeds) -> int:
-    return nbytes(span.tensor) + len(span.row_digests or b"")
+    """What a kept span holds: its rows' whole buffer (``put`` may keep a view) and digests."""
+    return span.tensor.untyped_storage().nbytes() + len(span.row_digests or b"")
+
+
+# A span whose buffer holds at most this much more than its rows is kept without a copy (a span
+# decoded from base64, or the one span of a binary body: the buffer is the request's, with its
+# head); any other is copied, so that it does not hold on to the rest of its buffer.
+_OWN_BUFFER_SLACK = 1 / 16
+
+
+def _own_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as kept: itself where its buffer is nearly all its rows, else a copy."""
+    own = (t.is_contiguous()
+           and t.untyped_storage().nbytes() <= nbytes(t) * (1 + _OWN_BUFFER_SLACK))
+    return t if own else t.clone()
 
 
 class SpanStore:
@@ -55,8 +69,9 @@ class SpanStore:
         self._lru: LRU[Embeds] = LRU(budget, _weight)
 
     def put(self, t: torch.Tensor) -> Embeds:
-        """Keep the rows ``t`` (a copy: ``t`` may view a whole request body); the span as kept.
-        The same rows again give the same handle and refresh the kept span."""
+        """Keep the rows ``t`` (decoded from a request: nobody writes to them; a copy where they
+        view a larger buffer, ``_own_rows``); the span as kept. The same rows again give the same
+        handle and refresh the kept span."""
         t = t.detach().contiguous()
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:
@@ -66,7 +81,7 @@ class SpanStore:
         handle = keys.span_handle(t, digests)
         kept = self._lru.get(handle)
         if kept is None:
-            kept = Embeds(t.clone(), handle, row_digests=digests)
+            kept = Embeds(_own_rows(t), handle, row_digests=digests)
             self._lru.put(handle, kept)
         return kept
 

@@ -7,7 +7,7 @@ import requests
 import torch
 
 from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
-from sgl_embeds_srt import keys, wire
+from sgl_embeds_srt import binary_body, keys, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds.testing import reference as ref
 
@@ -27,6 +27,22 @@ def test_store_evicts_least_recently_used_within_its_budget():
     with pytest.raises(ValueError, match="exceeds the handle store's budget"):
         store.put(torch.zeros(4, 64))
     assert store.delete(ha) and not store.delete(ha) and store.stats()["count"] == 2
+
+
+def test_a_span_that_is_its_whole_body_is_kept_without_a_copy():
+    """The one span of a binary body is a view of the body, which is nearly all rows: kept as
+    it is (and weighed as the whole body). Two spans of one body are each kept as a copy, so
+    neither holds on to the other's bytes."""
+    store = SpanStore(budget=1 << 24)
+    big = torch.randn(512, 64)
+    one = binary_body.decode_body(binary_body.encode_body({"input_embeds": big})[0])["input_embeds"]
+    kept = store.put(one).tensor
+    assert kept.data_ptr() == one.data_ptr() and torch.equal(kept, big)
+    assert store.stats()["bytes"] == one.untyped_storage().nbytes() + 512 * keys.ROW_DIGEST_BYTES
+    a, b = binary_body.decode_body(binary_body.encode_body({"input_embeds": [big[:300], big[300:]]})[0])["input_embeds"]
+    for part in (a, b):
+        kept = store.put(part).tensor
+        assert kept.data_ptr() != part.data_ptr() and kept.untyped_storage().nbytes() == part.nbytes
 
 
 def test_upload_once_and_refer_by_handle_everywhere(llama_server):
