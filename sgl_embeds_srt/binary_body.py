@@ -209,10 +209,11 @@ def _checked(node: Any, key: Any, where: str, buffer_size: int, max_bytes: int) 
 def _whole(data: memoryview) -> torch.Tensor:
     """The body as one uint8 tensor: its spans are views of it, so each span's storage is the
     whole body (``handles.SpanStore`` keeps a span that is nearly all of it without a copy)."""
-    # Spans are only ever read; the engine copies them when it converts or concatenates rows.
+    # Spans are only ever read (a body in bytes is read-only memory): the engine copies rows
+    # where it converts or concatenates them.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _view(whole: torch.Tensor, dtype: torch.dtype, shape: list[int], offset: int,
