@@ -8,6 +8,10 @@
  * width. Written from the BLAKE3 specification (docs/performance.md); tests/test_keys.py checks
  * every width class against the blake3 package, row by row.
  *
+ * checked_digests also finds the first row holding a NaN or Inf (an element whose exponent bits
+ * are all set), each group of LANES rows checked right after it is hashed, while its bytes are
+ * still in cache: a span's keys and its values check in one read of its bytes.
+ *
  * Built by setup.py (optional: without a compiler keys.py keeps its Python loop, same digests).
  */
 #define PY_SSIZE_T_CLEAN
@@ -159,15 +163,39 @@ DISPATCH static void hash_lanes(vec out[8], const Lanes *L) {
     memcpy(out, cv, sizeof cv);
 }
 
+/* Whether a row holds an element whose exponent bits (mask, in elements of elem_size bytes: 2 or
+ * 4) are all set: a NaN or an Inf of float16, bfloat16 or float32. No early exit: vectorized. */
+DISPATCH static int non_finite(const uint8_t *row, size_t width, int elem_size, uint32_t mask) {
+    uint32_t bad = 0;
+    if (elem_size == 4) {
+        for (size_t i = 0; i + 4 <= width; i += 4) {
+            uint32_t v;
+            memcpy(&v, row + i, 4);
+            bad |= (v & mask) == mask;
+        }
+    } else {
+        uint16_t m16 = (uint16_t)mask;
+        for (size_t i = 0; i + 2 <= width; i += 2) {
+            uint16_t v;
+            memcpy(&v, row + i, 2);
+            bad |= (uint16_t)(v & m16) == m16;
+        }
+    }
+    return bad != 0;
+}
+
 typedef struct {
     const uint8_t *rows;
     size_t width, first, end; /* rows [first, end) */
     const uint32_t *key;
     uint8_t *out;
+    int elem_size;       /* > 0: check values (checked_digests) */
+    uint32_t mask;
+    size_t first_bad;    /* out: the first non-finite row of [first, end), or end */
 } Job;
 
 static void *run_job(void *arg) {
-    const Job *job = arg;
+    Job *job = arg;
     Lanes L;
     L.width = job->width;
     for (int i = 0; i < 8; i++) L.key[i] = (vec){} + job->key[i];
@@ -178,24 +206,32 @@ static void *run_job(void *arg) {
         hash_lanes(cv, &L);
         for (size_t j = 0; j < n; j++)
             for (int i = 0; i < 8; i++) memcpy(job->out + (base + j) * OUT_LEN + 4 * i, &cv[i][j], 4);
+        if (job->elem_size && job->first_bad == job->end)
+            for (size_t j = 0; j < n; j++)
+                if (non_finite(L.row[j], job->width, job->elem_size, job->mask)) {
+                    job->first_bad = base + j;
+                    break;
+                }
     }
     return NULL;
 }
 
-static PyObject *digests(PyObject *self, PyObject *args) {
-    Py_buffer data, key;
-    Py_ssize_t width, threads = 1;
-    if (!PyArg_ParseTuple(args, "y*ny*|n", &data, &width, &key, &threads)) return NULL;
-    PyObject *result = NULL;
-    if (width <= 0 || data.len % width != 0 || key.len != 32) {
-        PyErr_SetString(PyExc_ValueError, "row_digests: width must be > 0 and divide the buffer, key 32 bytes");
-        goto done;
+/* The digests of every width-byte row of data (a new bytes object, or NULL with an exception
+ * set); with elem_size > 0 also *first_bad: the first row holding a NaN or Inf, or the count. */
+static PyObject *hash_rows(Py_buffer *data, Py_ssize_t width, Py_buffer *key, Py_ssize_t threads,
+                           int elem_size, uint32_t mask, size_t *first_bad) {
+    if (width <= 0 || data->len % width != 0 || key->len != 32 ||
+        (elem_size && (elem_size != 2 && elem_size != 4))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "row_digests: width must be > 0 and divide the buffer, key 32 bytes, elem_size 2 or 4");
+        return NULL;
     }
-    size_t n = (size_t)(data.len / width);
-    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * OUT_LEN));
-    if (!result || n == 0) goto done;
+    size_t n = (size_t)(data->len / width);
+    *first_bad = n;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * OUT_LEN));
+    if (!result || n == 0) return result;
     uint32_t key_words[8];
-    memcpy(key_words, key.buf, 32);
+    memcpy(key_words, key->buf, 32);
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     size_t groups = (n + LANES - 1) / LANES;
@@ -204,9 +240,10 @@ static PyObject *digests(PyObject *self, PyObject *args) {
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (Py_ssize_t t = 0; t < threads; t++) {
-        jobs[t] = (Job){data.buf, (size_t)width, groups * t / threads * LANES, groups * (t + 1) / threads * LANES,
-                        key_words, (uint8_t *)PyBytes_AS_STRING(result)};
+        jobs[t] = (Job){data->buf, (size_t)width, groups * t / threads * LANES, groups * (t + 1) / threads * LANES,
+                        key_words, (uint8_t *)PyBytes_AS_STRING(result), elem_size, mask, 0};
         if (jobs[t].end > n) jobs[t].end = n;
+        jobs[t].first_bad = jobs[t].end;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
@@ -216,16 +253,44 @@ static PyObject *digests(PyObject *self, PyObject *args) {
         else run_job(&jobs[t]); /* no thread to be had: this one does that share too */
     }
     Py_END_ALLOW_THREADS
-done:
+    for (Py_ssize_t t = threads - 1; t >= 0; t--)
+        if (jobs[t].first_bad < jobs[t].end) *first_bad = jobs[t].first_bad;
+    return result;
+}
+
+static PyObject *digests(PyObject *self, PyObject *args) {
+    Py_buffer data, key;
+    Py_ssize_t width, threads = 1;
+    if (!PyArg_ParseTuple(args, "y*ny*|n", &data, &width, &key, &threads)) return NULL;
+    size_t first_bad;
+    PyObject *result = hash_rows(&data, width, &key, threads, 0, 0, &first_bad);
     PyBuffer_Release(&data);
     PyBuffer_Release(&key);
     return result;
+}
+
+static PyObject *checked_digests(PyObject *self, PyObject *args) {
+    Py_buffer data, key;
+    Py_ssize_t width, threads;
+    int elem_size;
+    unsigned int mask;
+    if (!PyArg_ParseTuple(args, "y*ny*niI", &data, &width, &key, &threads, &elem_size, &mask)) return NULL;
+    size_t first_bad;
+    PyObject *result = hash_rows(&data, width, &key, threads, elem_size ? elem_size : -1, mask, &first_bad);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&key);
+    if (!result) return NULL;
+    return Py_BuildValue("(Nn)", result, (Py_ssize_t)first_bad);
 }
 
 static PyMethodDef METHODS[] = {
     {"digests", digests, METH_VARARGS,
      "digests(data, width, key, threads=1) -> bytes: the 32-byte keyed BLAKE3 digest of each "
      "width-byte row of data, back to back."},
+    {"checked_digests", checked_digests, METH_VARARGS,
+     "checked_digests(data, width, key, threads, elem_size, exponent_mask) -> (bytes, int): the "
+     "digests, and the first row holding an element (of elem_size bytes, 2 or 4) whose exponent "
+     "bits are all set (a NaN or an Inf), or the row count if none does."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -110,14 +110,20 @@ class SpanWriter:
             self.kept.pop(KeptSpans.key(self._wire_tensor(x)))
 
     def _span(self, x: Any, check_values: bool, where: str, raw_rows: bool) -> WrittenSpan:
-        rows = self._wire_tensor(self._checked(x, check_values, where))
         if self.kept is None:
+            rows = self._wire_tensor(self._checked(x, check_values, where))
             return WrittenSpan(self._encode(rows, raw_rows), keys.route_rows(rows), inline=True)
+        rows = self._wire_tensor(self._checked(x, False, where))
         key = KeptSpans.key(rows)
         kept = self.kept.get(key)
-        if kept is not None:
+        if kept is not None:  # these very bytes were checked when they were first sent
             return WrittenSpan({"handle": kept.handle}, kept.route, inline=False)
-        digests = keys.row_digests(rows)  # one pass for the handle and the routing hint
+        # one read of the rows for the handle, the routing hint and the values check (on the
+        # rows as the server decodes them: a cast to the wire dtype that overflows is caught too)
+        digests, first_bad = keys.checked_row_digests(rows)
+        if check_values and first_bad is not None:
+            raise ValueError(f"{where}embeddings contain NaN or Inf as sent, in "
+                             f"{wire.DTYPE_NAMES[rows.dtype]} (first in row {first_bad})")
         kept = KeptSpan(keys.span_handle(rows, digests), keys.route_rows(rows, digests))
         self.kept.put(key, kept)
         return WrittenSpan(self._encode(rows, raw_rows), kept.route, inline=True)
@@ -125,7 +131,7 @@ class SpanWriter:
     def _checked(self, x: Any, check_values: bool, where: str) -> torch.Tensor:
         """A span as a tensor, its shape checked against the server's hidden size, and its values
         with ``check_values``; an error names the span (``where``)."""
-        t = wire.as_2d_tensor(x) if check_values else x
+        t = wire.as_2d_tensor(x)
         try:
             (wire.check_tensor if check_values else wire.check_shape)(t, self.hidden_size)
         except wire.WireError as e:

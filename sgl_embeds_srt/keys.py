@@ -92,6 +92,27 @@ def row_digests(t: torch.Tensor) -> bytes:
     return row_digests_by_row(raw, width, key)
 
 
+# Element size and exponent bits of each float dtype a span travels in: all set is a NaN or an Inf
+_EXPONENT_BITS = {torch.float32: (4, 0x7F800000), torch.float16: (2, 0x7C00),
+                  torch.bfloat16: (2, 0x7F80)}
+
+
+def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
+    """``row_digests(t)`` and the first row of ``t`` holding a NaN or an Inf (None if none does),
+    from one read of its bytes where the native pass was built (the check runs on each group of
+    rows right after it is hashed, while it is in cache). ``t``: 2-D, of a dtype in
+    ``_EXPONENT_BITS``."""
+    raw = raw_bytes(t)
+    if native_rows is None or raw.nbytes == 0:
+        finite = torch.isfinite(t).all(dim=1)
+        return row_digests(t), None if bool(finite.all()) else int((~finite).nonzero()[0])
+    elem_size, mask = _EXPONENT_BITS[t.dtype]
+    threads = max(1, min(HASH_THREADS, raw.nbytes // _BYTES_PER_THREAD))
+    digests, first_bad = native_rows.checked_digests(raw, raw.nbytes // t.shape[0], row_key(t.dtype),
+                                                      threads, elem_size, mask)
+    return digests, None if first_bad == t.shape[0] else first_bad
+
+
 def row_digests_by_row(raw: memoryview, width: int, key: bytes) -> bytes:
     """``row_digests`` one blake3 call per row: where the native pass was not built, and the
     reference the tests hold it to."""

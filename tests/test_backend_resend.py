@@ -15,7 +15,7 @@ from sglang.lang.ir import SglSamplingParams
 
 from sgl_embeds import backend as backend_module
 from sgl_embeds import lang
-from sgl_embeds_srt import keys
+from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt import segments as seg
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.writer import KeptSpans, SpanWriter
@@ -154,3 +154,27 @@ def test_the_memo_of_kept_spans_is_bounded_by_entries():
     for r in rows:
         writer.fields("input_segments", [[seg.Embeds(r)]], batch=False)
     assert kept.sizes()[0] == 2 and KeptSpans.key(rows[0]) not in kept and KeptSpans.key(rows[2]) in kept
+
+
+def test_a_first_send_reads_its_rows_once_and_a_repeat_is_not_checked_again(monkeypatch):
+    """With kept spans, a span's handle, routing hint and values check come from one native pass
+    over its rows as sent (``keys.checked_row_digests``), whose check runs on the wire dtype too;
+    a repeat is the same bytes, checked when first sent: by handle, no pass, no check."""
+    passes, checks = [], []
+    real_pass, real_check = keys.checked_row_digests, wire.check_tensor
+    monkeypatch.setattr(keys, "checked_row_digests", lambda t: passes.append(t.shape) or real_pass(t))
+    monkeypatch.setattr(wire, "check_tensor", lambda *a: checks.append(1) or real_check(*a))
+    writer = SpanWriter(HIDDEN, kept=KeptSpans())
+    rows = torch.randn(5, HIDDEN)
+    first = writer.fields("input_segments", [[seg.Embeds(rows)]], batch=False)
+    again = writer.fields("input_segments", [[seg.Embeds(rows.clone())]], batch=False)
+    assert passes == [(5, HIDDEN)] and checks == []
+    assert again["input_segments"][0]["embeds"] == {"handle": keys.span_handle(rows)} and first["text"] == again["text"]
+    bad = rows.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"segment 0: embeddings contain NaN or Inf as sent, in float32 \(first in row 3\)"):
+        writer.fields("input_segments", [[seg.Embeds(bad)]], batch=False)
+    big = rows.clone()
+    big[2, 0] = 1e5  # finite, but not in float16: caught on the rows as the server would decode them
+    with pytest.raises(ValueError, match=r"NaN or Inf as sent, in float16 \(first in row 2\)"):
+        SpanWriter(HIDDEN, wire_dtype="float16", kept=KeptSpans()).fields("input_segments", [[seg.Embeds(big)]], batch=False)

@@ -169,3 +169,36 @@ def test_rows_whose_cast_is_exact_stay_as_sent_and_are_hashed_once(monkeypatch):
     # the same bytes as float16 are other values: other ids, never the bfloat16 rows' KV
     f16_ids, f16_rows = build_ids([Embeds(rows.view(torch.float16))], _spec(torch.float32))
     assert set(f16_ids).isdisjoint(ids) and f16_rows.embeds.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_native_pass_finds_the_first_non_finite_row_as_torch_does(dtype):
+    """``checked_row_digests``: the digests, and the first row holding a NaN or an Inf, for any
+    row, in any thread's share (1 and 3 threads), at any element; the largest finite value and
+    the smallest subnormal are finite."""
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests"
+    rng = torch.Generator().manual_seed(1)
+    info = torch.finfo(dtype)
+    for n, hidden in [(1, 8), (17, 33), (40, 576)]:
+        rows = torch.randn(n, hidden, generator=rng).to(dtype)
+        rows[0, 0], rows[-1, -1] = info.max, info.smallest_normal / 4
+        assert keys.checked_row_digests(rows) == (keys.row_digests(rows), None)
+        for row in sorted({0, n // 2, n - 1}):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                bad = rows.clone()
+                bad[row, (row * 7) % hidden] = value
+                bad[n - 1, 0] = value  # a later one too: the first is the one named
+                raw, width = keys.raw_bytes(bad), bad.element_size() * hidden
+                elem_size, mask = keys._EXPONENT_BITS[dtype]
+                for threads in (1, 3):
+                    found = keys.native_rows.checked_digests(raw, width, keys.row_key(dtype), threads, elem_size, mask)
+                    assert found == (keys.row_digests(bad), row), (n, hidden, row, value, threads)
+                assert keys.checked_row_digests(bad) == (keys.row_digests(bad), row)
+
+
+def test_checked_row_digests_are_the_same_without_the_native_pass(monkeypatch):
+    rows = torch.randn(9, 16).bfloat16()
+    rows[4, 3] = float("nan")
+    native = keys.checked_row_digests(rows)
+    monkeypatch.setattr(keys, "native_rows", None)
+    assert keys.checked_row_digests(rows) == native == (keys.row_digests(rows), 4)
