@@ -19,7 +19,10 @@ per round, rounds rotating the order, all posted with the same client (urllib):
   language would send them): the server knows their key, the scheduler holds their rows;
 * ``JSON base64, first send``: the writer with base64 rows, an ``orjson`` body, new rows;
 * ``stock JSON float lists``: ``{"input_embeds": rows.tolist()}`` to stock SGLang (float32
-  values), an ``orjson`` body, new rows.
+  values), an ``orjson`` body, new rows;
+* ``floor: a bare uvicorn app reads the binary body``: the first send's body to an ASGI app under
+  the same uvicorn that only reads it (its chunks, joined) and answers: what moving the bytes
+  through HTTP in Python costs before any server path (its "server path from head" is the read).
 
 Columns: client encode; the server path from the request head received (the app's first call:
 the body's transfer included) and from the body received (our middleware has it whole) to the
@@ -55,8 +58,10 @@ from sgl_embeds.writer import KeptSpans, SpanWriter
 from sgl_embeds_srt import binary_body, keys, wire
 from sgl_embeds_srt.segments import Embeds
 
+BARE = "floor: a bare uvicorn app reads the binary body"
 SIDES = ["binary body, first send", "binary body, sent again", "JSON base64, first send",
-         "stock JSON float lists"]
+         "stock JSON float lists", BARE]
+SERVER_OF = {"stock JSON float lists": "stock", BARE: "bare"}  # the others: "plugin"
 VOCAB = 32000
 BODY_READ: dict[str, float] = {}  # stand-in server: when the middleware had the last body
 
@@ -131,11 +136,31 @@ class StandInTokenizerManager:
                                          "from_body_s": handed - body_read, "ipc_s": ipc, "peak_kb": peak_kb}}
 
 
-def _serve(port: int, hidden: int, plugin: bool, address: str, ready) -> None:
+async def _bare_app(scope, receive, send) -> None:
+    """Reads the body as a Python ASGI server must (its chunks, joined) and answers at once: the
+    floor of any server path under uvicorn."""
+    if scope["type"] != "http":
+        return
+    t0, chunks, more = time.monotonic(), [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    meta = {"server_s": time.monotonic() - t0, "from_body_s": 0.0, "ipc_s": 0.0, "peak_kb": 0, "bytes": len(body)}
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": orjson.dumps({"meta_info": meta})})
+
+
+def _serve(port: int, hidden: int, kind: str, address: str, ready) -> None:
     import uvicorn
+
+    if kind == "bare":
+        ready.set()
+        return uvicorn.run(_bare_app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
     from sglang.srt.entrypoints import http_server
 
-    if plugin:
+    if kind == "plugin":
         from sgl_embeds_srt import http as plugin_http
         from sgl_embeds_srt.http import asgi, middleware
 
@@ -168,7 +193,7 @@ class StandIn:
     it); it also makes every large allocation fault its pages in, so times are taken on servers
     without it."""
 
-    def __init__(self, port: int, hidden: int, plugin: bool, for_memory: bool) -> None:
+    def __init__(self, port: int, hidden: int, kind: str, for_memory: bool) -> None:
         saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
         if for_memory:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
@@ -179,7 +204,7 @@ class StandIn:
         self.scheduler = spawn.Process(target=_scheduler, args=(address, address + "_ack"), daemon=True)
         self.scheduler.start()
         ready = spawn.Event()
-        self.process = spawn.Process(target=_serve, args=(port, hidden, plugin, address, ready), daemon=True)
+        self.process = spawn.Process(target=_serve, args=(port, hidden, kind, address, ready), daemon=True)
         self.process.start()
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         if saved is not None:
@@ -295,13 +320,13 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out, stage_rows, data = [], [], {"commit": commit(), "machine": machine(), "sizes": {}}
     verdicts = []
-    servers: dict[tuple[int, bool, bool], StandIn] = {}  # (hidden, plugin, for memory)
+    servers: dict[tuple[int, str, bool], StandIn] = {}  # (hidden, kind, for memory)
     try:
         for n, hidden, dtype in parse_sizes(args.sizes):
-            for plugin in (True, False):
-                for for_memory in (False, True):
-                    if (hidden, plugin, for_memory) not in servers:
-                        servers[(hidden, plugin, for_memory)] = StandIn(args.port + len(servers), hidden, plugin, for_memory)
+            for kind in ("plugin", "stock", "bare"):
+                for for_memory in (False, True) if kind != "bare" else (False,):
+                    if (hidden, kind, for_memory) not in servers:
+                        servers[(hidden, kind, for_memory)] = StandIn(args.port + len(servers), hidden, kind, for_memory)
             rows = (torch.randn(n, hidden) * 0.02).to(dtype)
             label = f"{n}x{hidden} {wire.DTYPE_NAMES[dtype]}"
             mb = rows.numel() * rows.element_size() / 1e6
@@ -310,9 +335,10 @@ def main() -> None:
             encoders = {"binary body, first send": lambda x: encode_ours(x, True),
                         "binary body, sent again": lambda x: encode_ours(x, True),
                         "JSON base64, first send": lambda x: encode_ours(x, False),
-                        "stock JSON float lists": encode_stock}
+                        "stock JSON float lists": encode_stock,
+                        BARE: lambda x: encode_ours(x, True)}
             for for_memory in (False, True):  # "sent again" is sent before
-                servers[(hidden, True, for_memory)].post(*encode_ours(rows, True))
+                servers[(hidden, "plugin", for_memory)].post(*encode_ours(rows, True))
             samples = {s: {k: [] for k in ("encode", "server", "from_body", "ipc", "total", "peak")} for s in SIDES}
             for r in range(args.rounds):
                 for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
@@ -322,19 +348,24 @@ def main() -> None:
                     t0 = time.perf_counter()
                     body, content_type = encoders[side](x)
                     samples[side]["encode"].append(time.perf_counter() - t0)
-                    meta, total, _ = servers[(hidden, not side.startswith("stock"), False)].post(body, content_type)
+                    kind = SERVER_OF.get(side, "plugin")
+                    meta, total, _ = servers[(hidden, kind, False)].post(body, content_type)
                     samples[side]["server"].append(meta["server_s"])
                     samples[side]["from_body"].append(meta["from_body_s"])
                     samples[side]["ipc"].append(meta["ipc_s"])
                     samples[side]["total"].append(total)
-                    if r < (1 if side.startswith("stock") else 2):  # the peak: on the twin server
-                        _, _, peak_kb = servers[(hidden, not side.startswith("stock"), True)].post(body, content_type)
+                    if r < (1 if kind == "stock" else 2) and kind != "bare":  # the peak: on the twin server
+                        _, _, peak_kb = servers[(hidden, kind, True)].post(body, content_type)
                         samples[side]["peak"].append(peak_kb / 1e3)
                     del body
             med = {s: {k: statistics.median(v) for k, v in samples[s].items() if v} for s in SIDES if samples[s]["total"]}
             for s in med:
                 m = med[s]
-                from_body = "" if s.startswith("stock") else m["from_body"] * 1e3
+                ours = SERVER_OF.get(s, "plugin") == "plugin"
+                from_body = m["from_body"] * 1e3 if ours else ""
+                if s == BARE:  # the client's side is ours; the server's is the floor
+                    rows_out.append([label, mb, s, "", "", m["server"] * 1e3, "", "", "", m["total"] * 1e3, "", ""])
+                    continue
                 rows_out.append([label, mb, s, m["encode"] * 1e3, m["encode"] * 1e3 / floor, m["server"] * 1e3,
                                  from_body, from_body and from_body / floor, m["ipc"] * 1e3, m["total"] * 1e3,
                                  m["peak"], m["peak"] / mb])
