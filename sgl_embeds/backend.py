@@ -21,9 +21,9 @@ on (``sends_binary``).
 
 from __future__ import annotations
 
+import http.client
 import ssl
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -239,16 +239,28 @@ class EmbedsEndpoint(RuntimeEndpoint):
 
 
 def _post_bytes(url: str, parts: list, headers: dict, verify: str | None) -> HttpResponse:
-    """A body in ``parts`` (buffers, sent one after another: never joined) posted over urllib,
-    as ``sglang.utils.http_request`` posts JSON (the same client and response type on both
-    paths; an HTTP error is a response, as there)."""
-    context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
-    headers = {**headers, "Content-Length": str(sum(memoryview(p).nbytes for p in parts))}
-    request = urllib.request.Request(url, data=parts, headers=headers)
+    """A body in ``parts`` (buffers, sent one after another: never joined) posted over
+    ``http.client``, answered as ``sglang.utils.http_request`` answers JSON (its response type;
+    an HTTP error is a response, as there). Something in between that refuses the body may
+    answer before reading it all and close (smg does, for a content type it does not take): the
+    rest of the body then meets a closed socket, and the answer already sent is read."""
+    split = urllib.parse.urlsplit(url)
+    if split.scheme == "https":
+        context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(split.hostname, split.port,
+                                                                       context=context)
+    else:
+        conn = http.client.HTTPConnection(split.hostname, split.port)
+    conn.putrequest("POST", split.path + (f"?{split.query}" if split.query else ""))
+    for name, value in {**headers, "Content-Length": str(sum(memoryview(p).nbytes for p in parts))}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
     try:
-        return HttpResponse(urllib.request.urlopen(request, context=context))
-    except urllib.error.HTTPError as e:
-        return HttpResponse(e)
+        for part in parts:
+            conn.send(part)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # answered before the whole body was read: the answer follows
+    return HttpResponse(conn.getresponse())
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:

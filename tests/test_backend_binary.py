@@ -250,3 +250,33 @@ def test_a_program_body_written_binary_goes_as_json_if_binary_was_refused_before
         assert look.run(rows=a, backend=ep)["answer"] == "ok"
         assert kinds(gateway.posts) == ["json: inline + keep"]
         assert same_bits(wire.decode_tensor(spans_of(gateway.posts[0][1])[0]), a)
+
+
+def test_a_refusal_sent_before_the_body_is_read_is_the_answer():
+    """Something in between may answer a binary body from its headers and close without reading
+    the rest (smg does, for a content type it does not take). The parts left then meet a closed
+    socket: the post returns the answer, so the endpoint falls back to JSON, instead of raising."""
+    import socket
+    import threading
+
+    from sgl_embeds.backend import _post_bytes
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    answer = b'{"error": "Expected request with `Content-Type: application/json`"}'
+
+    def refuse_from_the_headers():
+        conn, _ = listener.accept()
+        seen = b""
+        while b"\r\n\r\n" not in seen:
+            seen += conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 415 Unsupported Media Type\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(answer), answer))
+        conn.close()  # the body unread
+        listener.close()
+
+    threading.Thread(target=refuse_from_the_headers, daemon=True).start()
+    big = torch.zeros(4096, 1024)  # 16 MB: far more than the socket buffers hold
+    parts = binary_body.encode_parts({"input_embeds": big})
+    res = _post_bytes(f"http://127.0.0.1:{listener.getsockname()[1]}/generate", parts,
+                      {"Content-Type": binary_body.CONTENT_TYPE}, None)
+    assert res.status_code == 415 and "Content-Type" in res.json()["error"]
