@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_srt.lru import LRU, kept_rows, nbytes
 from sgl_embeds_srt.segments import Embeds
 
 PATH = "/sgl_embeds/spans"
@@ -49,15 +49,8 @@ def _weight(span: Embeds) -> int:
 
 # A span whose buffer holds at most this much more than its rows is kept without a copy (a span
 # decoded from base64, or the one span of a binary body: the buffer is the request's, with its
-# head); any other is copied, so that it does not hold on to the rest of its buffer.
+# head); any other is copied (lru.kept_rows).
 _OWN_BUFFER_SLACK = 1 / 16
-
-
-def _own_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as kept: itself where its buffer is nearly all its rows, else a copy."""
-    own = (t.is_contiguous()
-           and t.untyped_storage().nbytes() <= nbytes(t) * (1 + _OWN_BUFFER_SLACK))
-    return t if own else t.clone()
 
 
 class SpanStore:
@@ -70,7 +63,7 @@ class SpanStore:
 
     def put(self, t: torch.Tensor) -> Embeds:
         """Keep the rows ``t`` (decoded from a request: nobody writes to them; a copy where they
-        view a larger buffer, ``_own_rows``); the span as kept. The same rows again give the same
+        view a larger buffer, ``lru.kept_rows``); the span as kept. The same rows again give the same
         handle and refresh the kept span."""
         t = t.detach().contiguous()
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
@@ -81,7 +74,7 @@ class SpanStore:
         handle = keys.span_handle(t, digests)
         kept = self._lru.get(handle)
         if kept is None:
-            kept = Embeds(_own_rows(t), handle, row_digests=digests)
+            kept = Embeds(kept_rows(t, _OWN_BUFFER_SLACK), handle, row_digests=digests)
             self._lru.put(handle, kept)
         return kept
 

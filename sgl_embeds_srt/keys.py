@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from blake3 import blake3
 
+from sgl_embeds_srt import wire
 from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
 
 try:
@@ -78,6 +79,10 @@ HASH_THREADS = min(8, os.cpu_count() or 1)
 _BYTES_PER_THREAD = 2 << 20
 
 
+def _threads(nbytes: int) -> int:
+    return max(1, min(HASH_THREADS, nbytes // _BYTES_PER_THREAD))
+
+
 def row_digests(t: torch.Tensor) -> bytes:
     """The ``ROW_DIGEST_BYTES`` keyed BLAKE3 digests of the rows of ``t`` ``[n, ...]``, back to
     back, in one native call (docs/performance.md has its speed)."""
@@ -87,8 +92,7 @@ def row_digests(t: torch.Tensor) -> bytes:
     if width == 0:  # no bytes per row: each row's digest is the empty input's
         return blake3(b"", key=key).digest() * n
     if native_rows is not None:
-        threads = max(1, min(HASH_THREADS, raw.nbytes // _BYTES_PER_THREAD))
-        return native_rows.digests(raw, width, key, threads)
+        return native_rows.digests(raw, width, key, _threads(raw.nbytes))
     return row_digests_by_row(raw, width, key)
 
 
@@ -104,12 +108,10 @@ def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
     ``_EXPONENT_BITS``."""
     raw = raw_bytes(t)
     if native_rows is None or raw.nbytes == 0:
-        finite = torch.isfinite(t).all(dim=1)
-        return row_digests(t), None if bool(finite.all()) else int((~finite).nonzero()[0])
+        return row_digests(t), wire.first_non_finite_row(t)
     elem_size, mask = _EXPONENT_BITS[t.dtype]
-    threads = max(1, min(HASH_THREADS, raw.nbytes // _BYTES_PER_THREAD))
     digests, first_bad = native_rows.checked_digests(raw, raw.nbytes // t.shape[0], row_key(t.dtype),
-                                                      threads, elem_size, mask)
+                                                      _threads(raw.nbytes), elem_size, mask)
     return digests, None if first_bad == t.shape[0] else first_bad
 
 

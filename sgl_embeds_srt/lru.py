@@ -22,6 +22,14 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def kept_rows(t: torch.Tensor, slack: float = 0.0) -> torch.Tensor:
+    """``t`` to keep in a cache: itself where it is contiguous and its buffer holds at most
+    ``slack`` (a fraction of its bytes) more than it, else a copy of its own, so that a kept
+    tensor never holds on to the rest of a larger buffer (other rows of one message or body)."""
+    own = t.is_contiguous() and t.untyped_storage().nbytes() <= nbytes(t) * (1 + slack)
+    return t if own else t.clone()
+
+
 class LRU(Generic[V]):
     """Keys to values, least recently used evicted first once the values weigh more than ``budget``.
 

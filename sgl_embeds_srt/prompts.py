@@ -120,8 +120,8 @@ def _rows_and_ids(s: Embeds, key: str, sent_digests: bytes, spec: ModelSpec,
                   i: int) -> tuple[torch.Tensor, list[int]]:
     """A span's rows for ``PromptRows`` and its placeholder ids (remembered under ``key``).
     ``sent_digests``: the row digests of the rows as sent. Rows in the model's dtype, or in one
-    whose cast to it is exact, are not cast here: no copy of (up to) twice their bytes, and their ids come from
-    the digests already made, so the HTTP process reads the bytes once."""
+    whose cast to it is exact, are not cast here: no copy of (up to) twice their bytes, and their
+    ids come from the digests already made, so the HTTP process reads the bytes once."""
     if s.tensor.dtype == spec.dtype or (s.tensor.dtype, spec.dtype) in EXACT_CASTS:
         return s.tensor, placeholder_ids(s.tensor, key, sent_digests)
     t = _cast(s, spec, i)

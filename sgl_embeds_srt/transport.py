@@ -45,7 +45,7 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt.handles import budget_bytes
 from sgl_embeds_srt.keys import raw_bytes
-from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_srt.lru import LRU, kept_rows, nbytes
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,7 @@ class SchedulerRows:
 
     def _keep(self, sender: str, key: str, rows: torch.Tensor) -> None:
         if key not in self._rows:
-            # not a view of more (another span's rows in one message): a copy of its own
-            alone = rows.untyped_storage().nbytes() == rows.nbytes and rows.is_contiguous()
-            self._rows[key] = rows if alone else rows.clone()
+            self._rows[key] = kept_rows(rows)  # a copy where it shares a message's rows
         self._keepers.setdefault(key, set()).add(sender)
 
     def _release(self, sender: str, key: str) -> None:

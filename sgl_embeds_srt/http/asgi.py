@@ -47,8 +47,12 @@ def parse_json(body: bytes) -> Any:
 
 def is_binary(scope: dict) -> bool:
     """Whether the request's body is a binary body (``binary_body.CONTENT_TYPE``)."""
-    return binary_body.is_binary(
-        next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"), None))
+    return binary_body.is_binary(_header(scope, b"content-type"))
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    """A request header's value (``name`` lower-case), or None."""
+    return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
 
 
 def parse_body(scope: dict, body: bytes, max_span_bytes: int) -> Any:
@@ -93,7 +97,7 @@ async def read_body(scope: dict, receive: Callable, limit: int) -> tuple[bytes |
 
 
 def _content_length(scope: dict) -> int | None:
-    value = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+    value = _header(scope, b"content-length")
     try:
         return int(value) if value is not None else None
     except ValueError:
