@@ -61,16 +61,16 @@ class SpanStore:
         self.budget = budget
         self._lru: LRU[Embeds] = LRU(budget, _weight)
 
-    def put(self, t: torch.Tensor) -> Embeds:
+    def put(self, t: torch.Tensor, digests: bytes | None = None) -> Embeds:
         """Keep the rows ``t`` (decoded from a request: nobody writes to them; a copy where they
-        view a larger buffer, ``lru.kept_rows``); the span as kept. The same rows again give the same
-        handle and refresh the kept span."""
+        view a larger buffer, ``lru.kept_rows``); ``digests``: their ``keys.row_digests`` where the
+        caller has them. The span as kept. The same rows again give the same handle and refresh the kept span."""
         t = t.detach().contiguous()
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:
             raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of "
                              f"{self.budget} bytes")
-        digests = keys.row_digests(t)
+        digests = keys.row_digests(t) if digests is None else digests
         handle = keys.span_handle(t, digests)
         kept = self._lru.get(handle)
         if kept is None:
@@ -95,8 +95,8 @@ class SpanStore:
 def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:
     if set(body) != {"embeds"}:
         raise ValueError('upload a span as {"embeds": <tensor>}')
-    t = wire.decode_tensor(body["embeds"], store.budget)  # checks shape and values
+    t = wire.decode_tensor(body["embeds"], store.budget)
     wire.check_shape(t, hidden_size)
-    handle = store.put(t).handle
+    handle = store.put(t, keys.finite_row_digests(t)).handle
     return {"handle": handle, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size()}

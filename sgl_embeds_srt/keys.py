@@ -115,6 +115,15 @@ def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
     return digests, None if first_bad == t.shape[0] else first_bad
 
 
+def finite_row_digests(t: torch.Tensor) -> bytes:
+    """``row_digests(t)`` of rows whose every value is finite, else ``wire.WireError`` naming the
+    first row holding a NaN or an Inf: how the server reads a span's bytes where it enters, once."""
+    digests, first_bad = checked_row_digests(t)
+    if first_bad is not None:
+        raise wire.non_finite(first_bad)
+    return digests
+
+
 def row_digests_by_row(raw: memoryview, width: int, key: bytes) -> bytes:
     """``row_digests`` one blake3 call per row: where the native pass was not built, and the
     reference the tests hold it to."""

@@ -2,7 +2,8 @@
 
 The span fields of a request body are ``input_segments`` (a list of wire segments, or a list of
 such lists for a batch) and ``input_embeds`` (one wire tensor for the whole prompt, or a list of
-them). Each tensor is decoded and checked here, once (``wire.decode_tensor``); a
+them). Each tensor is decoded and checked here, once (``wire.decode_tensor``, then its values in
+the same read as its row digests, ``keys.finite_row_digests``); a
 ``{"handle": ...}`` in its place is looked up in the server's span store, and with
 ``"keep_spans": true`` every span sent inline is kept there under its handle. A ``text`` (or, on
 ``/v1/completions``, a ``prompt``) that is a gateway routing hint (``keys.routing_text``) is
@@ -17,7 +18,7 @@ import os
 from typing import Any
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import is_routing_text
+from sgl_embeds_srt.keys import finite_row_digests, is_routing_text
 from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text, image_grid
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
@@ -55,7 +56,8 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None,
             raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
         return dataclasses.replace(store.get(obj["handle"]))  # a copy: the parser sets its grid
     t = wire.decode_tensor(obj, max_bytes)
-    return dataclasses.replace(store.put(t)) if keep else Embeds(t)
+    digests = finite_row_digests(t)  # its values checked in the read that hashes its rows
+    return dataclasses.replace(store.put(t, digests)) if keep else Embeds(t, row_digests=digests)
 
 
 def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:

@@ -77,7 +77,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                              ids[-1] if ids else None, f"segment {i}: ")
             # the span's content key: its handle, or the same hash of its rows as sent (whose row
             # digests give its ids too, unless the rows must be cast)
-            sent_digests = s.row_digests if s.handle else row_digests(s.tensor)
+            sent_digests = s.row_digests if s.row_digests is not None else row_digests(s.tensor)
             key = s.handle or span_handle(s.tensor, sent_digests)
             if spec.vision is None:
                 t, span_ids = _rows_and_ids(s, key, sent_digests, spec, i)

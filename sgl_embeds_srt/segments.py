@@ -36,7 +36,7 @@ class Ids:
 class Embeds:
     tensor: torch.Tensor  # [n, hidden]
     handle: str | None = None  # set on the server when it keeps these rows (handles.py)
-    row_digests: bytes | None = None  # keys.row_digests of the rows, set with handle
+    row_digests: bytes | None = None  # keys.row_digests of the rows, set where the server decodes them
     # an image's patch grid [t, h, w] before the spatial merge, on M-RoPE VLMs (image_spans.py)
     image_grid_thw: tuple[int, int, int] | None = None
 

@@ -8,6 +8,8 @@ Two encodings of an ``[n, hidden]`` tensor are accepted:
 
 A third, the binary request body (``binary_body.py``), carries the raw bytes beside the JSON;
 its spans reach ``decode_tensor`` as tensors viewing the body and are checked as these are.
+The server checks a span's values in the same read of its bytes as its row digests
+(``keys.finite_row_digests``); ``check_tensor`` is the client's check.
 
 Decoding never unpickles and never calls ``torch.load``: bytes become a tensor only through
 ``torch.frombuffer`` with a dtype from a fixed table. Every size is checked against a byte budget
@@ -109,7 +111,9 @@ def is_tensor_batch(x: Any) -> bool:
 
 
 def decode_tensor(obj: Any, max_bytes: int = MAX_SPAN_BYTES) -> torch.Tensor:
-    """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed."""
+    """Decode either wire encoding into a 2-D CPU tensor; raise WireError on anything malformed.
+    Its values are not read here: the server checks them in the pass that hashes its rows
+    (``keys.finite_row_digests``)."""
     # in-process callers (Engine) and binary bodies (binary_body.py: views of the body)
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         t = as_2d_tensor(obj)
@@ -124,7 +128,7 @@ def decode_tensor(obj: Any, max_bytes: int = MAX_SPAN_BYTES) -> torch.Tensor:
             "embeddings must be nested float lists or an object {data, dtype, shape}, "
             f"got {type(obj).__name__}"
         )
-    check_tensor(t)
+    check_shape(t)
     return t
 
 
@@ -205,7 +209,12 @@ def check_tensor(t: torch.Tensor, hidden_size: int | None = None) -> None:
     check_shape(t, hidden_size)
     first_bad = first_non_finite_row(t)
     if first_bad is not None:
-        raise WireError(f"embeddings contain NaN or Inf (first in row {first_bad})")
+        raise non_finite(first_bad)
+
+
+def non_finite(first_bad: int) -> WireError:
+    """The error of a span whose row ``first_bad`` is the first to hold a NaN or an Inf."""
+    return WireError(f"embeddings contain NaN or Inf (first in row {first_bad})")
 
 
 def check_shape(t: torch.Tensor, hidden_size: int | None = None) -> None:

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_embeds_srt import binary_body, wire
-from sgl_embeds_srt.parse import has_span_fields, parse_prompts, segments_from_wire
+from sgl_embeds_srt import binary_body, keys, wire
+from sgl_embeds_srt.parse import decode_span, has_span_fields, parse_prompts, segments_from_wire
 from sgl_embeds_srt.segments import Embeds
 
 LIMIT = 1 << 20
@@ -35,9 +35,11 @@ payloads = st.one_of(binary_objects, rows, json_values)
 @given(payloads)
 def test_decoder_returns_a_checked_tensor_or_a_wire_error(payload):
     try:
-        t = wire.decode_tensor(payload, LIMIT)
+        span = decode_span(payload, LIMIT)  # decoded, then its values checked as it is hashed
     except wire.WireError:
         return
+    t = span.tensor
+    assert span.row_digests == keys.row_digests(t)
     assert t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 0 and bool(t.isfinite().all())
     assert t.numel() * 4 <= LIMIT
 

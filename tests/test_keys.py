@@ -7,7 +7,7 @@ import pytest
 import torch
 from blake3 import blake3
 
-from sgl_embeds_srt import keys, placeholders, prompts, wire
+from sgl_embeds_srt import binary_body, keys, placeholders, prompts, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.lru import LRU, nbytes
 from sgl_embeds_srt.parse import parse_prompts
@@ -104,17 +104,28 @@ def _spec(dtype: torch.dtype) -> ModelSpec:
 
 
 def _counting_row_digests(monkeypatch) -> list:
-    """Every call to ``keys.row_digests`` (the one hashing pass over a span's bytes), by shape,
+    """Every hashing pass over a span's bytes (``keys.row_digests``, or ``keys.checked_row_digests``
+    where the server checks the values in the same read), by shape,
     on a server that has remembered no span's ids yet (another test's may be the same rows in
     another model dtype)."""
     monkeypatch.setattr(placeholders, "_KEPT", LRU(1 << 20, nbytes))
-    calls, real = [], keys.row_digests
+    calls, real, real_checked, inside_checked = [], keys.row_digests, keys.checked_row_digests, []
 
     def counting(t):
-        calls.append(tuple(t.shape))
+        if not inside_checked:  # the fallback of checked_row_digests: the same pass
+            calls.append(tuple(t.shape))
         return real(t)
 
+    def counting_checked(t):
+        calls.append(tuple(t.shape))
+        inside_checked.append(t)
+        try:
+            return real_checked(t)
+        finally:
+            inside_checked.pop()
+
     monkeypatch.setattr(keys, "row_digests", counting)
+    monkeypatch.setattr(keys, "checked_row_digests", counting_checked)
     monkeypatch.setattr(placeholders, "row_digests", counting)
     monkeypatch.setattr(prompts, "row_digests", counting)
     return calls
@@ -136,6 +147,31 @@ def test_a_kept_span_is_hashed_once_for_its_handle_and_its_ids(monkeypatch):
     assert build_ids(segments, _spec(torch.float32))[0] == expected and calls == []
 
 
+@pytest.mark.parametrize("form", ["base64", "binary body"])
+def test_the_server_reads_an_inline_span_once_for_its_values_check_its_key_and_its_ids(monkeypatch, form):
+    """No values pass of its own: the check runs in the native pass that hashes the rows."""
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests"
+    calls = _counting_row_digests(monkeypatch)
+    value_passes = []
+    monkeypatch.setattr(wire, "first_non_finite_row", lambda t: value_passes.append(t) or None)
+    rows = torch.randn(6, 16).bfloat16()
+    request = {"input_segments": [{"type": "embeds", "embeds": rows}]}
+    if form == "base64":
+        request = binary_body.json_form(request)
+    else:
+        request = binary_body.decode_body(binary_body.encode_body(request)[0])
+    [segments], _ = parse_prompts(request, 1 << 20)
+    ids, _ = build_ids(segments, _spec(torch.float32))
+    assert calls == [(6, 16)] and value_passes == []
+    assert ids == placeholders.placeholder_ids(rows)
+    bad = rows.clone()
+    bad[4, 3] = float("inf")
+    request = binary_body.decode_body(binary_body.encode_body(
+        {"input_segments": [{"type": "embeds", "embeds": bad}]})[0])
+    with pytest.raises(wire.WireError, match=r"segment 0: embeddings contain NaN or Inf \(first in row 4\)"):
+        parse_prompts(request, 1 << 20)
+
+
 def test_rows_cast_to_the_model_dtype_are_hashed_as_the_model_sees_them(monkeypatch):
     store, rows = SpanStore(1 << 20), torch.randn(3, 16)
     expected = placeholders.placeholder_ids(rows.bfloat16())
@@ -150,11 +186,12 @@ def test_rows_cast_to_the_model_dtype_are_hashed_as_the_model_sees_them(monkeypa
     # sent again, not kept: the rows as sent are hashed for the span's content key, which is the
     # kept span's handle, so its ids are the remembered ones
     assert build_ids(segments, _spec(torch.bfloat16))[0] == expected and calls == [(3, 16)]
-    # no ids remembered, rows in the model's dtype: one pass gives the key and the ids
+    # no ids remembered, rows in the model's dtype: the digests made as the span was decoded
+    # give the key and the ids, with no second pass
     expected_float32 = placeholders.placeholder_ids(rows)
     monkeypatch.setattr(placeholders, "_KEPT", LRU(1 << 20, nbytes))
     calls.clear()
-    assert build_ids(segments, _spec(torch.float32))[0] == expected_float32 and calls == [(3, 16)]
+    assert build_ids(segments, _spec(torch.float32))[0] == expected_float32 and calls == []
 
 
 def test_rows_whose_cast_is_exact_stay_as_sent_and_are_hashed_once(monkeypatch):

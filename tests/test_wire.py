@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sgl_embeds_srt import wire
+from sgl_embeds_srt.parse import decode_span
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -59,7 +60,7 @@ BAD = {
 def test_bad_payloads_raise_wire_error_naming_the_problem(case):
     payload, message = BAD[case]
     with pytest.raises(wire.WireError, match=message):
-        wire.decode_tensor(payload)
+        decode_span(payload, wire.MAX_SPAN_BYTES)  # decoded, then its values checked as hashed
 
 
 def test_size_limit_is_checked_before_decoding():
