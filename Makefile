@@ -11,7 +11,7 @@ demo: setup
 	$(PY) -m sgl_embeds.demo
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 test-quick: setup
 	$(PY) -m pytest -q -m "not server"

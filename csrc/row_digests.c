@@ -164,24 +164,28 @@ DISPATCH static void hash_lanes(vec out[8], const Lanes *L) {
 }
 
 /* Whether a row holds an element whose exponent bits (mask, in elements of elem_size bytes: 2 or
- * 4) are all set: a NaN or an Inf of float16, bfloat16 or float32. No early exit: vectorized. */
+ * 4) are all set: a NaN or an Inf of float16, bfloat16 or float32. (v & mask) ^ mask is zero
+ * exactly there, so the row's minimum of it is zero: a min reduction in the element's own width
+ * (no widening, no early exit), which vectorizes to one load, and, xor and min per vector. */
 DISPATCH static int non_finite(const uint8_t *row, size_t width, int elem_size, uint32_t mask) {
-    uint32_t bad = 0;
     if (elem_size == 4) {
+        uint32_t low = UINT32_MAX;
         for (size_t i = 0; i + 4 <= width; i += 4) {
             uint32_t v;
             memcpy(&v, row + i, 4);
-            bad |= (v & mask) == mask;
+            uint32_t t = (v & mask) ^ mask;
+            low = t < low ? t : low;
         }
-    } else {
-        uint16_t m16 = (uint16_t)mask;
-        for (size_t i = 0; i + 2 <= width; i += 2) {
-            uint16_t v;
-            memcpy(&v, row + i, 2);
-            bad |= (uint16_t)(v & m16) == m16;
-        }
+        return low == 0;
     }
-    return bad != 0;
+    uint16_t m16 = (uint16_t)mask, low = UINT16_MAX;
+    for (size_t i = 0; i + 2 <= width; i += 2) {
+        uint16_t v;
+        memcpy(&v, row + i, 2);
+        uint16_t t = (uint16_t)((v & m16) ^ m16);
+        low = t < low ? t : low;
+    }
+    return low == 0;
 }
 
 typedef struct {
