@@ -15,7 +15,6 @@ import sglang as sgl
 
 from helpers import generate, span, text
 from sgl_embeds import EmbedsEndpoint
-from sgl_embeds_srt import segments as seg
 from sgl_embeds.testing import reference as ref
 
 pytestmark = pytest.mark.server
@@ -65,19 +64,32 @@ def test_generate_with_a_span_satisfies_the_constraint_like_the_same_ids(llama_s
 
 
 def test_program_gen_with_regex_and_a_span(llama_server, llama_dir):
+    """The span is the words' own embedding rows, so the program answers as the same prompt with
+    the words' ids does, by tokens and by numbers; a program with another span gets other numbers."""
     backend = EmbedsEndpoint(llama_server.url)
-    rows = ref.embed_ids(llama_dir, ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False))
+    regex = CONSTRAINTS["regex"][0]
+    tok = ref.hf_tokenizer(str(llama_dir))
 
     @sgl.function
     def answer(s, rows):
         s += "look:" + sgl.embeds(rows) + " answer"
-        s += sgl.gen("out", max_tokens=20, temperature=0, regex="(yes|no), the [a-z]+ [a-z]+")
+        s += sgl.gen("out", max_tokens=20, temperature=0, regex=regex, return_logprob=True)
 
-    state = answer.run(rows=rows, backend=backend)
-    assert re.fullmatch("(yes|no), the [a-z]+ [a-z]+", state["out"]), state["out"]
-    direct = backend.run(input_segments=[seg.Text("look:"), seg.Embeds(rows), seg.Text(" answer")],
-                         sampling_params={"temperature": 0, "max_new_tokens": 20, "regex": "(yes|no), the [a-z]+ [a-z]+"})
-    assert state["out"] == direct["text"]
+    def program_logprobs(state) -> list[float]:
+        return [lp for lp, _, _ in state.get_meta_info("out")["output_token_logprobs"]]
+
+    state = answer.run(rows=ref.embed_ids(llama_dir, tok.encode(WORDS, add_special_tokens=False)), backend=backend)
+    assert CONSTRAINTS["regex"][1](state["out"]), state["out"]
+    with_ids = generate(llama_server, {"input_segments": _as_span_and_as_ids(llama_dir)[1], "return_logprob": True,
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": 20, "regex": regex}})
+    assert state["out"] == with_ids["text"]
+    ours = program_logprobs(state)
+    assert len(ours) == len(_logprobs(with_ids))
+    assert max(abs(a - b) for a, b in zip(ours, _logprobs(with_ids))) <= ref.LOGPROB_TOL
+    other = answer.run(rows=ref.embed_ids(llama_dir, tok.encode(OTHER_WORDS, add_special_tokens=False)), backend=backend)
+    assert CONSTRAINTS["regex"][1](other["out"]), other["out"]
+    assert max(abs(a - b) for a, b in zip(ours, program_logprobs(other))) > ref.LOGPROB_TOL, \
+        "another span must change the program's numbers"
 
 
 def test_openai_response_format_with_span_parts(llama_server, llama_dir):
