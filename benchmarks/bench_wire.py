@@ -31,10 +31,13 @@ request handed to the tokenizer manager (parse, checks, row keys, placeholders, 
 scheduler's ``reconstruct``); the server's peak extra RSS up to the hand-off (``VmHWM`` reset
 through ``/proc/<pid>/clear_refs`` before each request, minus ``VmRSS`` then: torch allocations
 escape tracemalloc; measured on a twin server whose glibc returns freed buffers, ``StandIn``,
-by the first requests of each side); and the floor: a warm copy of the span's bytes into an allocated buffer (numpy,
-one thread), and the client's floor (``client_floor_ms``: the kept-span lookup and one BLAKE3 over
-the bytes at the ``blake3`` library's top speed, which any client naming spans by a
-collision-safe handle must read). A second table breaks our server path down in this process.
+by the first requests of each side); and two floors, each timed in every round right after the
+first send's encode, on its rows (the same moment, so the same load from the servers' leftover
+work; rows the encode has just read, so if anything the floors gain from the cache): a warm copy
+of the span's bytes into a buffer allocated and touched before (numpy, one thread), and the
+client's floor (``client_floor_s``: the kept-span lookup and one BLAKE3 over the bytes at the
+``blake3`` library's top speed, which any client naming spans by a collision-safe handle must
+read). A second table breaks our server path down in this process.
 
     python benchmarks/bench_wire.py [--sizes 576x4096:bfloat16,...] [--rounds 7] [--stock-rounds 2]
 """
@@ -274,19 +277,22 @@ def median_ms(fn, repeat: int = 7) -> float:
     return statistics.median(samples) * 1e3
 
 
-def client_floor_ms(rows: torch.Tensor) -> float:
+def client_floor_s(rows: torch.Tensor) -> float:
     """What a client that names spans by a collision-safe handle must read, at best: the kept-span
     lookup (xxh3 of all the bytes, ``KeptSpans.key``) and one BLAKE3 over them at the ``blake3``
     library's top speed (all threads), with no values check and no per-row digests."""
     raw = keys.raw_bytes(rows)
-    return median_ms(lambda: (KeptSpans.key(rows), blake3(raw, max_threads=blake3.AUTO).digest()), 15)
+    t0 = time.perf_counter()
+    KeptSpans.key(rows), blake3(raw, max_threads=blake3.AUTO).digest()
+    return time.perf_counter() - t0
 
 
-def warm_copy_ms(rows: torch.Tensor) -> float:
+def warm_copy_s(rows: torch.Tensor, dst: np.ndarray) -> float:
+    """A copy of the rows' bytes into ``dst``, a buffer allocated and touched before."""
     src = np.frombuffer(keys.raw_bytes(rows), dtype=np.uint8)
-    dst = np.empty_like(src)
+    t0 = time.perf_counter()
     np.copyto(dst, src)
-    return median_ms(lambda: np.copyto(dst, src), 15)
+    return time.perf_counter() - t0
 
 
 def breakdown(rows: torch.Tensor) -> dict[str, float]:
@@ -302,8 +308,8 @@ def breakdown(rows: torch.Tensor) -> dict[str, float]:
     digests = keys.row_digests(span)
     return {
         "decode_body (frame checks, a view of the body)": median_ms(lambda: binary_body.decode_body(body, 1 << 40)),
-        "values check (NaN / Inf)": median_ms(lambda: wire.check_tensor(span, rows.shape[1])),
-        "row keys of the rows as sent (keys.row_digests, native)": median_ms(lambda: keys.row_digests(span)),
+        "row keys and values check of the rows as sent (keys.finite_row_digests, one native pass)":
+            median_ms(lambda: keys.finite_row_digests(span)),
         "content key from the row keys (keys.span_handle)": median_ms(lambda: keys.span_handle(span, digests)),
         "placeholder ids from the row keys": median_ms(lambda: placeholder_ids(span, digests=digests)),
         "(not on this path) the cast to float32 that SGLang's model runner makes of the rows it runs":
@@ -342,7 +348,8 @@ def main() -> None:
             rows = (torch.randn(n, hidden) * 0.02).to(dtype)
             label = f"{n}x{hidden} {wire.DTYPE_NAMES[dtype]}"
             mb = rows.numel() * rows.element_size() / 1e6
-            floor = warm_copy_ms(rows)
+            copy_dst = np.ones(rows.numel() * rows.element_size(), np.uint8)
+            floors: dict[str, list[float]] = {"copy": [], "client": []}
             fresh = lambda: (torch.randn(n, hidden) * 0.02).to(dtype)  # noqa: E731 - a span never sent
             encoders = {"binary body, first send": lambda x: encode_ours(x, True),
                         "binary body, sent again": lambda x: encode_ours(x, True),
@@ -360,6 +367,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     body, content_type = encoders[side](x)
                     samples[side]["encode"].append(time.perf_counter() - t0)
+                    if side == "binary body, first send":  # the floors: the same rows, the same moment
+                        floors["copy"].append(warm_copy_s(x, copy_dst))
+                        floors["client"].append(client_floor_s(x))
                     kind = SERVER_OF.get(side, "plugin")
                     meta, total, _ = servers[(hidden, kind, False)].post(body, content_type)
                     samples[side]["server"].append(meta["server_s"])
@@ -370,6 +380,7 @@ def main() -> None:
                         _, _, peak_kb = servers[(hidden, kind, True)].post(body, content_type)
                         samples[side]["peak"].append(peak_kb / 1e3)
                     del body
+            floor, client_floor = (statistics.median(floors[k]) * 1e3 for k in ("copy", "client"))
             med = {s: {k: statistics.median(v) for k, v in samples[s].items() if v} for s in SIDES if samples[s]["total"]}
             for s in med:
                 m = med[s]
@@ -382,11 +393,11 @@ def main() -> None:
                                  from_body, from_body and from_body / floor, m["ipc"] * 1e3, m["total"] * 1e3,
                                  m["peak"], m["peak"] / mb])
             rows_out.append([label, mb, "floor: warm copy of the bytes", floor, 1.0, "", "", "", "", "", "", ""])
-            client_floor = client_floor_ms(rows)
             rows_out.append([label, mb, CLIENT_FLOOR, client_floor, client_floor / floor, "", "", "", "", "", "", ""])
             stages = breakdown(rows)
             stage_rows += [[label, k, v, v / floor] for k, v in stages.items()]
-            data["sizes"][label] = {"mb": mb, "warm_copy_ms": floor, "samples": samples, "stages_ms": stages}
+            data["sizes"][label] = {"mb": mb, "warm_copy_ms": floor, "client_floor_ms": client_floor,
+                                   "floor_samples": floors, "samples": samples, "stages_ms": stages}
             if (n, hidden, dtype) == (2880, 4096, torch.bfloat16):
                 for side in ("binary body, first send", "binary body, sent again"):
                     x = med[side]["from_body"] * 1e3 / floor
