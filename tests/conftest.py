@@ -171,7 +171,14 @@ def pytest_runtest_setup(item):
             pool.get(*names)
 
 
+# Run last: the tutorials ask the pool for servers of other test modules (the LLaVA and Qwen2.5-VL
+# ones), still running when their modules came just before, instead of started for the tutorials
+# in the middle of the run and again later for their own modules
+LAST_MODULES = ("test_examples.py",)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if any(name.endswith("_server") or name in ("gateway", "servers") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: file order otherwise
