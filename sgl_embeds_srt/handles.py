@@ -64,7 +64,8 @@ class SpanStore:
     def put(self, t: torch.Tensor, digests: bytes | None = None) -> Embeds:
         """Keep the rows ``t`` (decoded from a request: nobody writes to them; a copy where they
         view a larger buffer, ``lru.kept_rows``); ``digests``: their ``keys.row_digests`` where the
-        caller has them. The span as kept. The same rows again give the same handle and refresh the kept span."""
+        caller has them. The span as kept. The same rows again give the same handle and refresh
+        the kept span."""
         t = t.detach().contiguous()
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:

@@ -104,10 +104,10 @@ _EXPONENT_BITS = {torch.float32: (4, 0x7F800000), torch.float16: (2, 0x7C00),
 def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
     """``row_digests(t)`` and the first row of ``t`` holding a NaN or an Inf (None if none does),
     from one read of its bytes where the native pass was built (the check runs on each group of
-    rows right after it is hashed, while it is in cache). ``t``: 2-D, of a dtype in
-    ``_EXPONENT_BITS``."""
+    rows right after it is hashed, while it is in cache) for the dtypes in ``_EXPONENT_BITS``;
+    two reads for any other (an in-process caller's float64 rows, say). ``t``: 2-D."""
     raw = raw_bytes(t)
-    if native_rows is None or raw.nbytes == 0:
+    if native_rows is None or raw.nbytes == 0 or t.dtype not in _EXPONENT_BITS:
         return row_digests(t), wire.first_non_finite_row(t)
     elem_size, mask = _EXPONENT_BITS[t.dtype]
     digests, first_bad = native_rows.checked_digests(raw, raw.nbytes // t.shape[0], row_key(t.dtype),

@@ -172,6 +172,17 @@ def test_the_server_reads_an_inline_span_once_for_its_values_check_its_key_and_i
         parse_prompts(request, 1 << 20)
 
 
+def test_rows_of_a_dtype_the_native_check_does_not_know_are_checked_too():
+    """An in-process caller (the Engine) may hand float64 rows: hashed and checked as any other."""
+    rows = torch.randn(4, 16, dtype=torch.float64)
+    [segments], _ = parse_prompts({"input_segments": [{"type": "embeds", "embeds": rows}]}, 1 << 20)
+    assert segments[0].row_digests == keys.row_digests(rows)
+    assert build_ids(segments, _spec(torch.float32))[0] == placeholders.placeholder_ids(rows.float())
+    rows[2, 5] = float("nan")
+    with pytest.raises(wire.WireError, match=r"NaN or Inf \(first in row 2\)"):
+        parse_prompts({"input_segments": [{"type": "embeds", "embeds": rows}]}, 1 << 20)
+
+
 def test_rows_cast_to_the_model_dtype_are_hashed_as_the_model_sees_them(monkeypatch):
     store, rows = SpanStore(1 << 20), torch.randn(3, 16)
     expected = placeholders.placeholder_ids(rows.bfloat16())
