@@ -39,7 +39,8 @@ client's floor (``client_floor_s``: the kept-span lookup and one BLAKE3 over the
 ``blake3`` library's top speed, which any client naming spans by a collision-safe handle must
 read). The multiples are of that warm copy; beside it, the same copy repeated back to back in
 quiet with both buffers hot in the cache (its best case, about half as long here), and the
-verdicts give the multiples of that one too. A second table breaks our server path down in this process.
+verdicts give the multiples of that one too. A second table breaks our server path down in this
+process.
 
     python benchmarks/bench_wire.py [--sizes 576x4096:bfloat16,...] [--rounds 7] [--stock-rounds 2]
 """
@@ -286,7 +287,8 @@ def client_floor_s(rows: torch.Tensor) -> float:
     library's top speed (all threads), with no values check and no per-row digests."""
     raw = keys.raw_bytes(rows)
     t0 = time.perf_counter()
-    KeptSpans.key(rows), blake3(raw, max_threads=blake3.AUTO).digest()
+    KeptSpans.key(rows)
+    blake3(raw, max_threads=blake3.AUTO).digest()
     return time.perf_counter() - t0
 
 
