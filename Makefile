@@ -2,7 +2,7 @@
 # (idempotent: a second run only checks what is installed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick notebooks bench
+.PHONY: setup demo test test-quick test-portable notebooks bench
 
 setup:
 	@bash scripts/setup.sh
@@ -10,8 +10,14 @@ setup:
 demo: setup
 	$(PY) -m sgl_embeds.demo
 
+# the whole suite, then the exactness-sensitive tests again with AVX2 kernels (scripts/test_portable.sh);
+# red if either fails
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30
+	@status=0; $(PY) -m pytest -q -p no:cacheprovider --durations=30 || status=1; \
+	bash scripts/test_portable.sh || status=1; exit $$status
+
+test-portable: setup
+	bash scripts/test_portable.sh
 
 test-quick: setup
 	$(PY) -m pytest -q -m "not server"

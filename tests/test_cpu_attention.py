@@ -8,6 +8,9 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 
 from sgl_embeds_srt.cpu.attention import sdpa_forward_extend
 
+# numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
+pytestmark = pytest.mark.exactness
+
 STOCK = TorchNativeAttnBackend._run_sdpa_forward_extend
 STOCK = getattr(STOCK, "__wrapped__", STOCK)  # the unpatched method if the plugin hooked it
 

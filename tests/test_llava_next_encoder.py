@@ -29,6 +29,9 @@ from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
 
+# numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
+pytestmark = pytest.mark.exactness
+
 FAMILIES = {"llava_next": tiny_llava_next_dir, "llava_onevision": tiny_llava_onevision_dir}
 BACKENDS = ("torchvision", "pil")
 # (width, height); the largest pinpoints are 96 px (NeXT) and 128 px (OneVision) a side. The
@@ -86,12 +89,6 @@ def hf_image_rows(checkpoint, images: list, backend: str = "torchvision") -> lis
     positions = (inputs["input_ids"][0] == model.config.image_token_id).nonzero()[:, 0]
     runs = torch.tensor_split(positions, (positions.diff() != 1).nonzero()[:, 0] + 1)
     return [captured["embeds"][0][run] for run in runs]
-
-
-def assert_same_rows(ours: torch.Tensor, theirs: torch.Tensor, context: str = "") -> None:
-    """Equal to the bit: the same tower, projector and packing operations, in float32."""
-    assert ours.dtype == torch.float32 and ours.shape == theirs.shape, (context, ours.shape, theirs.shape)
-    assert torch.equal(ours, theirs), f"{context}: max difference {(ours - theirs).abs().max():.3g}"
 
 
 def test_split_round_trips_both_key_layouts(vlm, tmp_path):
@@ -165,11 +162,14 @@ def test_rows_equal_hf_inputs_embeds_at_the_image_tokens(vlm, backend):
         (want,) = hf_image_rows(src, [image], backend)
         got = encoder(image)
         assert len(got) == encoder.rows_for(w, h), name
-        assert_same_rows(got, want, f"{family} {backend} {name}")
+        ref.assert_same_rows(got, want, f"{family} {backend} {name}")
+    # Two images in one prompt: HF tiles each on its own but runs both images' tiles through the
+    # tower in one batch, the encoder one image at a time. Other GEMM shapes, other rounding on
+    # some processors: the rows agree within the tolerance, not to the bit.
     a, b = helpers.random_image(50, 37, seed=1), helpers.random_image(37, 50, seed=2)
-    two = hf_image_rows(src, [a, b], backend)  # two images in one prompt: each tiled on its own
-    assert_same_rows(encoder(a), two[0], "first of two")
-    assert_same_rows(encoder(b), two[1], "second of two")
+    two = hf_image_rows(src, [a, b], backend)
+    ref.assert_rows_close(encoder(a), two[0], "first of two")
+    ref.assert_rows_close(encoder(b), two[1], "second of two")
 
 
 def _edited_copy(src, dst, config=None, processor=None, weights=None):
@@ -210,7 +210,7 @@ def test_the_weights_come_from_the_directory(vlm, tmp_path):
     rows, cols = encoder.tiling.feature_map(48, 120)
     assert int(newlines.sum()) == rows and not (base(image) == encoder.image_newline).all(-1).any()
     (want,) = hf_image_rows(copy, [image])
-    assert_same_rows(ours, want, "perturbed copy")
+    ref.assert_same_rows(ours, want, "perturbed copy")
     assert encoder.identity != base.identity
 
 
@@ -228,9 +228,10 @@ def test_regions_through_the_cache_equal_hf_on_the_region_image(vlm):
     assert encoder.mean_color == mean
     seen = mask_image(scene, mask, mean)
     assert seen.size == (29, 29) and tuple(np.asarray(seen)[0, 0]) == mean
-    want = hf_image_rows(src, [scene, scene.crop(box), seen])
-    for ours, theirs, name in zip((whole.rows, boxed, masked), want, ("whole", "box", "mask")):
-        assert_same_rows(ours, theirs, name)
+    # each image alone through HF, as the encoder runs it: the same shapes, so equal to the bit
+    for ours, image, name in zip((whole.rows, boxed, masked), (scene, scene.crop(box), seen), ("whole", "box", "mask")):
+        (theirs,) = hf_image_rows(src, [image])
+        ref.assert_same_rows(ours, theirs, name)
     assert (cache.misses, cache.hits) == (3, 1)
     assert len(boxed) == encoder.rows_for(56, 32) != len(whole.rows)
 
@@ -266,8 +267,13 @@ def test_the_split_halves_answer_as_the_vlm(vlm):
         assert [len(rows) for rows in spans] == [encoder.rows_for(*image.size) for image in images]
         parts = [s.text if isinstance(s, seg.Text) else s.tensor for s in sent]
         ours = ref.greedy_after(dst / "llm", helpers.reference_embeds(dst / "llm", parts), 10)
+        # HF's VLM batches the images' tiles and runs its LLM on its own inputs_embeds: the
+        # numbers agree within the tolerances, tokens under the near-tie rule
+        context = f"{len(images)} image(s): "
         reference = ref.llava_greedy(src, text, images, 10)
-        assert (ours.tokens, ours.logprobs) == (reference.tokens, reference.logprobs), len(images)
+        ref.check_greedy(ours.tokens, lambda prefix: ref.llava_greedy(src, text, images, 10, prefix), context,
+                         eos_ids=ref.eos_ids(ref.hf_llava(str(src))[0]))
+        assert ref.assert_logprobs_match(ours.tokens, ours.logprobs, reference, context) >= 5, context
 
 
 def test_hf_greedy_answers_are_varied_and_changed_by_the_image(vlm):

@@ -6,6 +6,9 @@ import pytest
 
 from sgl_embeds.testing.reference import FORGIVEN, NEAR_TIE, Greedy, check_greedy
 
+# numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
+pytestmark = pytest.mark.exactness
+
 TIE, CLEAR = NEAR_TIE / 10, 1.0
 
 

@@ -25,6 +25,9 @@ from sgl_embeds.vision import EncoderCache, check_mask, mask_image
 from sgl_embeds.vlm import ImageProcessing, LlavaEncoder, image_prompt, load_encoder, render_chat, split
 from sgl_embeds.vlm.tower import WEIGHTS_NAME
 
+# numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
+pytestmark = pytest.mark.exactness
+
 SIZES = [(32, 32), (50, 37), (37, 50), (300, 100), (17, 20), (640, 480)]
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is the color of the object"}]}]
 
