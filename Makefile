@@ -22,6 +22,6 @@ test-portable: setup
 test-quick: setup
 	$(PY) -m pytest -q -m "not server"
 
-# the tutorials in examples/ run and saved with their outputs (tests/test_examples.py checks them)
+# the tutorials in examples/ run and saved with their outputs (tests/examples/test_notebooks.py checks them)
 notebooks: setup
 	$(PY) scripts/refresh_notebooks.py

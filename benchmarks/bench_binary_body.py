@@ -64,7 +64,7 @@ def v1_keys(rows: torch.Tensor) -> tuple[list[bytes], str]:
 
 def v3_keys(rows: torch.Tensor) -> tuple[list[int], str]:
     digests = keys.row_digests(rows)
-    return placeholder_ids(rows, digests=digests), keys.span_handle(rows, digests)
+    return placeholder_ids(rows, digests=digests), keys.content_key(rows, digests)
 
 
 def measure(n: int, hidden: int, dtype: str) -> dict[str, float]:
@@ -88,8 +88,8 @@ def measure(n: int, hidden: int, dtype: str) -> dict[str, float]:
         "keys v1: blake2b per row + SHA-256": ms(lambda: v1_keys(rows)),
         "keys v3: BLAKE3 per row, handle from digests (native)": ms(lambda: v3_keys(rows)),
         "keys v3: the same digests, one blake3 call per row": ms(
-            lambda: keys.row_digests_by_row(raw, raw.nbytes // n, keys.row_key(rows.dtype))),
-        "keys v3: handle alone (client)": ms(lambda: keys.span_handle(rows)),
+            lambda: keys.row_digests_by_row(raw, raw.nbytes // n, keys.row_blake3_key(rows.dtype))),
+        "keys v3: handle alone (client)": ms(lambda: keys.content_key(rows)),
         "routing hint alone (row digests' starts)": ms(lambda: keys.route_rows(rows)),
     }
 

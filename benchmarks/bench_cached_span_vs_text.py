@@ -49,8 +49,8 @@ from common import commit, demo_dir, embedding_table, machine, p50, provenance, 
 from sgl_embeds.testing.models import wide_model_dir
 from sgl_embeds_srt import binary_body, keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds.writer import KeptSpans
-from sgl_embeds_srt.segments import Embeds, Ids
+from sgl_embeds.writer import HeldSpans
+from sgl_embeds_srt.segments import Span, Ids
 from sgl_embeds_srt.placeholders import placeholder_ids
 
 SIDES = ["text ids", "span inline", "span inline, binary body", "span by handle",
@@ -109,7 +109,7 @@ def measure(url: str, url_rows_each_time: str, tok, prefix_ids: list[int], rows:
                       {"input_segments": [{"type": "embeds", "embeds": {"handle": handle}},
                                           {"type": "input_ids", "input_ids": q}], "sampling_params": greedy})
         elif side == "EmbedsEndpoint.run":
-            client.run(input_segments=[Embeds(rows), Ids(q)], sampling_params=greedy)
+            client.run(input_segments=[Span(rows), Ids(q)], sampling_params=greedy)
         else:
             ask.run(rows=rows, question=question_text(i), backend=client)["answer"]  # waits for it
 
@@ -140,8 +140,8 @@ def pieces(rows: torch.Tensor) -> dict[str, float]:
     decoded = wire.decode_tensor(encoded)
     return {
         "client: wire.encode_tensor (base64)": ms(lambda: wire.encode_tensor(rows)),
-        "client: keys.span_handle (BLAKE3 row digests, first send only)": ms(lambda: keys.span_handle(rows)),
-        "client: KeptSpans key (xxh3, every send)": ms(lambda: KeptSpans.key(rows)),
+        "client: keys.content_key (BLAKE3 row digests, first send only)": ms(lambda: keys.content_key(rows)),
+        "client: HeldSpans wire_hash (xxh3, every send)": ms(lambda: HeldSpans.wire_hash(rows)),
         "server: parse body JSON": ms(lambda: orjson.loads(body)),
         "server: wire.decode_tensor (base64 + checks)": ms(lambda: wire.decode_tensor(encoded)),
         "server: placeholder ids (BLAKE3 per row; once per kept span)": ms(lambda: placeholder_ids(decoded)),

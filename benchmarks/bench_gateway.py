@@ -29,7 +29,7 @@ import torch
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, pct, provenance, save, table
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds_srt.segments import Embeds, Text
+from sgl_embeds_srt.segments import Span, Text
 from sgl_embeds.testing.server import Gateway, Server, start_all
 
 SPANS, QUESTIONS = 16, 4
@@ -44,7 +44,7 @@ def run_side(gateway: Gateway, workers: list[Server], spans: list[torch.Tensor],
     for q in range(QUESTIONS):
         for rows in (spans[i] for i in orders[q]):
             t0 = time.perf_counter()
-            out = client.run(input_segments=[Text("Look at this:"), Embeds(rows), Text(f" Question {q}: what is it?")],
+            out = client.run(input_segments=[Text("Look at this:"), Span(rows), Text(f" Question {q}: what is it?")],
                              sampling_params={"temperature": 0, "max_new_tokens": 1})
             dt = time.perf_counter() - t0
             if q:

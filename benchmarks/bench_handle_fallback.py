@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1024)
     args = ap.parse_args()
     rows = embedding_table(demo_dir())[1000:1000 + args.rows].contiguous()
-    handle = keys.span_handle(rows)
+    handle = keys.content_key(rows)
     greedy = {"temperature": 0, "max_new_tokens": 1}
 
     def request(span: dict, i: int, **extra) -> tuple[float, int]:

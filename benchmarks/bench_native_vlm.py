@@ -50,7 +50,7 @@ from PIL import Image
 from common import p50, pct, provenance, save, server, table
 from sgl_embeds_srt import keys, prompts, wire
 from sgl_embeds_srt.image_spans import VisionSpec
-from sgl_embeds_srt.segments import Embeds, Text
+from sgl_embeds_srt.segments import Span, Text
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir)
 from sgl_embeds.vision import ImageRows
@@ -119,7 +119,7 @@ def http_bodies(side: str, image: Image.Image, encoded: ImageRows, url: str) -> 
         return [{"input_segments": span_segments(q, inline)} for q in QUESTIONS]
     upload = requests.post(url + "/sgl_embeds/spans", json={"embeds": inline["embeds"]}, timeout=600)
     upload.raise_for_status()
-    by_handle = {"type": "embeds", "embeds": {"handle": keys.span_handle(encoded.rows)}, "image_grid_thw": grid}
+    by_handle = {"type": "embeds", "embeds": {"handle": keys.content_key(encoded.rows)}, "image_grid_thw": grid}
     return [{"input_segments": span_segments(q, by_handle)} for q in QUESTIONS]
 
 
@@ -206,7 +206,7 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
     grid = (1, IMAGE_SIDE // 14, IMAGE_SIDE // 14)
     rows_per_image = grid[1] * grid[2] // 4
     hashed = {"seconds": 0.0, "calls": 0}
-    real_span_handle = prompts.span_handle
+    real_span_handle = prompts.content_key
 
     def timed_span_handle(t: torch.Tensor) -> str:
         t0 = time.perf_counter()
@@ -216,7 +216,7 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
             hashed["seconds"] += time.perf_counter() - t0
             hashed["calls"] += 1
 
-    prompts.span_handle = timed_span_handle
+    prompts.content_key = timed_span_handle
     out = {}
     try:
         for n in (1, 4, 16):
@@ -224,8 +224,8 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
             segments_inline, segments_handle = [], []
             for i, rows in enumerate(images):
                 text = Text(f"image {i}: {VISION_START}" if i == 0 else f"{VISION_END} image {i}: {VISION_START}")
-                segments_inline += [text, Embeds(rows, image_grid_thw=grid)]
-                segments_handle += [text, Embeds(rows, handle=keys.span_handle(rows), image_grid_thw=grid)]
+                segments_inline += [text, Span(rows, image_grid_thw=grid)]
+                segments_handle += [text, Span(rows, handle=keys.content_key(rows), image_grid_thw=grid)]
             stock, ours = [], {"inline": [], "by handle": []}
             for _ in range(repeats):
                 feature = torch.cat(images)
@@ -240,7 +240,7 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
                       **{f"ours {k}": p50([s for s, _ in v]) * 1e3 for k, v in ours.items()},
                       **{f"ours {k} hash calls": v[-1][1] for k, v in ours.items()}}
     finally:
-        prompts.span_handle = real_span_handle
+        prompts.content_key = real_span_handle
     return out
 
 

@@ -63,9 +63,9 @@ import torch
 from blake3 import blake3
 
 from common import commit, machine, provenance, save, table
-from sgl_embeds.writer import KeptSpans, SpanWriter
+from sgl_embeds.writer import HeldSpans, SpanWriter
 from sgl_embeds_srt import binary_body, keys, wire
-from sgl_embeds_srt.segments import Embeds
+from sgl_embeds_srt.segments import Span
 
 BARE = "floor: a bare uvicorn app reads the binary body"
 HOT_COPY = "the same copy back to back, cache-hot (not a floor of the multiples)"
@@ -259,8 +259,8 @@ class StandIn:
 def encode_ours(rows: torch.Tensor, binary: bool) -> tuple[bytes | list, str]:
     """A first send by EmbedsEndpoint: the writer with kept spans (values checked, routing hint,
     handle), then the body (binary: in parts, as the endpoint posts it, the rows not copied)."""
-    writer = SpanWriter(rows.shape[1], "base64", wire.DTYPE_NAMES[rows.dtype], kept=KeptSpans())
-    fields = writer.fields("input_segments", [[Embeds(rows)]], False, raw_rows=binary)
+    writer = SpanWriter(rows.shape[1], "base64", wire.DTYPE_NAMES[rows.dtype], held=HeldSpans())
+    fields = writer.fields("input_segments", [[Span(rows)]], False, raw_rows=binary)
     body = {**fields, "sampling_params": {"max_new_tokens": 1}}
     if binary:
         return binary_body.encode_parts(body), binary_body.CONTENT_TYPE
@@ -283,11 +283,11 @@ def median_ms(fn, repeat: int = 7) -> float:
 
 def client_floor_s(rows: torch.Tensor) -> float:
     """What a client that names spans by a collision-safe handle must read, at best: the kept-span
-    lookup (xxh3 of all the bytes, ``KeptSpans.key``) and one BLAKE3 over them at the ``blake3``
+    lookup (xxh3 of all the bytes, ``HeldSpans.wire_hash``) and one BLAKE3 over them at the ``blake3``
     library's top speed (all threads), with no values check and no per-row digests."""
     raw = keys.raw_bytes(rows)
     t0 = time.perf_counter()
-    KeptSpans.key(rows)
+    HeldSpans.wire_hash(rows)
     blake3(raw, max_threads=blake3.AUTO).digest()
     return time.perf_counter() - t0
 
@@ -322,7 +322,7 @@ def breakdown(rows: torch.Tensor) -> dict[str, float]:
         "decode_body (frame checks, a view of the body)": median_ms(lambda: binary_body.decode_body(body, 1 << 40)),
         "row keys and values check of the rows as sent (keys.finite_row_digests, one native pass)":
             median_ms(lambda: keys.finite_row_digests(span)),
-        "content key from the row keys (keys.span_handle)": median_ms(lambda: keys.span_handle(span, digests)),
+        "content key from the row keys (keys.content_key)": median_ms(lambda: keys.content_key(span, digests)),
         "placeholder ids from the row keys": median_ms(lambda: placeholder_ids(span, digests=digests)),
         "(not on this path) the cast to float32 that SGLang's model runner makes of the rows it runs":
             median_ms(lambda: span.float()),

@@ -1,7 +1,7 @@
 """Run the tutorials in examples/ top to bottom and save them with their outputs (``make notebooks``).
 
 Each notebook starts the server it needs (none of the SGL_EMBEDS_*_URL variables is passed on),
-so a refresh needs nothing running. tests/test_examples.py then requires CI's fresh run of each
+so a refresh needs nothing running. tests/examples/test_notebooks.py then requires CI's fresh run of each
 notebook to show the same claims and pictures as the outputs saved here.
 
     .venv/bin/python scripts/refresh_notebooks.py [examples/NAME.ipynb ...]

@@ -5,7 +5,7 @@
 # with HF), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
 # break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
 # Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
-# rows_scaled_1pct, spans_zeroed (every span all zeros: tests/test_examples.py must fail on each
+# rows_scaled_1pct, spans_zeroed (every span all zeros: tests/examples/test_notebooks.py must fail on each
 # notebook), images_reversed (a program's images in reverse order), ids_unplaced (an id refusal
 # that does not say where the id stands), and breaks of the LLaVA-NeXT / OneVision vision half
 # (anyres_*, siglip_*).
@@ -17,9 +17,9 @@ git apply --check "$patch" || exit 2
 git apply "$patch"
 trap 'git apply -R "$patch"' EXIT
 if [ $# -eq 0 ]; then
-    set -- tests/test_engine_spans.py tests/test_handles.py tests/test_openai.py tests/test_engine_inprocess.py \
-        tests/test_engine_cache.py tests/test_vlm_parity.py tests/test_qwen_vl_spans.py tests/test_smoke.py \
-        tests/test_frontend_e2e.py tests/test_deployments.py
+    set -- tests/server/test_http_spans_match_hf.py tests/server/test_handles.py tests/server/test_openai.py tests/server/test_engine_inprocess.py \
+        tests/server/test_http_radix_cache.py tests/vlm/test_llava15_parity.py tests/vlm/test_qwen_vl_spans.py tests/server/test_smoke.py \
+        tests/server/test_dsl_programs.py tests/server/test_deployments.py
 fi
 if .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; then
     echo "sabotage $patch: the tests PASSED: the break was not caught"

@@ -9,7 +9,7 @@ request bodies themselves (the OpenAI client, curl scripts).
 from __future__ import annotations
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.segments import Embeds, Ids, Prompt, Text
+from sgl_embeds_srt.segments import Span, Ids, Prompt, Text
 
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.hooks import install
@@ -18,4 +18,4 @@ from sgl_embeds.lang import compile_program, embeds, program_segments, region
 install()
 
 __all__ = ["embeds", "region", "program_segments", "compile_program", "EmbedsEndpoint", "Prompt",
-           "Text", "Ids", "Embeds", "wire"]
+           "Text", "Ids", "Span", "wire"]

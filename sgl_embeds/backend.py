@@ -2,38 +2,29 @@
 
 SGLang's ``RuntimeEndpoint`` funnels every ``/generate`` body (gen, streaming, select, fork's
 prefix commit) through ``_add_images(s, data)``; that one method is where program text with span
-markers becomes ``input_segments``, written by the endpoint's ``writer.SpanWriter``. ``run(...)``
-sends a prompt without a program.
-
-A server that does not hold a handle a body names answers ``UnknownSpanHandle``; the request is
-then sent once more with the rows inline (``_resent_inline``, the one place this happens). The
-stock calls post their bodies with their module's function ``http_request`` and read the response
-in their own frame, so that function is where their posts are seen: ``post_stock_body`` is its
-AROUND hook, and a body ``_add_images`` wrote (``WRITTEN``) goes through ``_resent_inline`` there.
+markers becomes ``input_segments``, written by the endpoint's ``writer.SpanWriter`` for a
+``sender.SpanRequest`` that the body carries to its post (``sender.post_stock_body``).
+``run(...)`` sends a prompt without a program, through the same ``sender.SpanSender``: the one
+place a request is resent inline (a handle the server does not hold) or as JSON (a binary body
+refused in between).
 
 ``run`` and the stock calls (streaming excepted) send a request with spans as a binary body
 (``binary_body.py``: inline rows as raw bytes after a JSON head) where the server advertises one
-(``/get_model_info``'s ``binary_body``). A gateway forwards that advertisement but may read
-``/generate`` bodies as JSON itself (smg does): its refusal of a binary body
-(``_refuses_binary``) sends the request once more as JSON, and the endpoint sends JSON from then
-on (``sends_binary``).
+(``/get_model_info``'s ``binary_body``); ``sends_binary`` turns False once something in between
+refused one.
 """
 
 from __future__ import annotations
 
-import http.client
-import ssl
-import urllib.parse
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
-from sglang.utils import HttpResponse, http_request
 
 from sgl_embeds import lang
+from sgl_embeds.sender import SpanRequest, SpanSegments, SpanSender, error_body, is_unknown_handle
 from sgl_embeds.vision import EncoderCache
-from sgl_embeds.writer import KeptSpans, SpanWriter
-from sgl_embeds_srt import binary_body, keys
+from sgl_embeds.writer import HeldSpans, SpanWriter
+from sgl_embeds_srt import binary_body
 from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt import wire
 
@@ -43,59 +34,6 @@ from sgl_embeds_srt import wire
 # enters as logprob 0 with a text no choice starts with: the same for every choice, so it cannot
 # change which choice wins.
 SPAN_ROW_LOGPROB_ENTRY = (0.0, -1, "\x00")
-# What a gateway that reads /generate bodies as JSON answers a binary body: smg's axum Json
-# extractor gives 415 for another content type, 400 or 422 for bytes it cannot parse as the request
-BINARY_REFUSALS = (400, 415, 422)
-
-
-@dataclass
-class WrittenBody:
-    """A stock call's body as ``_add_images`` wrote it, until the call posts it: how to write
-    its span fields again (``prompts`` of ``batch``), by the endpoint that wrote them."""
-
-    body: dict
-    endpoint: "EmbedsEndpoint"
-    prompts: list
-    batch: bool
-    binary: bool  # its spans are tensors: it goes as a binary body
-
-    def spans(self) -> list:
-        return [s.tensor for p in self.prompts for s in p.segments if isinstance(s, seg.Embeds)]
-
-    def rewritten(self, raw_rows: bool) -> dict:
-        """The body with its span fields written again (after the writer forgot the spans:
-        inline), the rows tensors with ``raw_rows`` (a binary body)."""
-        return {**self.body, **self.endpoint.writer.fields("input_segments", self.prompts, self.batch,
-                                                           check_values=False, raw_rows=raw_rows)}
-
-
-# id(body) -> its WrittenBody; the record holds the body, so an id is not reused while it is here
-WRITTEN: dict[int, WrittenBody] = {}
-
-
-def post_stock_body(original: Callable, url: str, json: Any = None, **kwargs: Any) -> Any:
-    """AROUND hook of ``runtime_endpoint.http_request``, which every stock ``RuntimeEndpoint``
-    call posts with: a body an ``EmbedsEndpoint`` wrote goes through its ``_resent_inline``, as
-    a binary body where ``_add_images`` left its rows tensors."""
-    written = WRITTEN.pop(id(json), None) if json is not None else None
-    if written is None or written.body is not json:
-        return original(url, json=json, **kwargs)
-    attempts = []
-
-    def post() -> tuple[Any, bool]:  # the body as written, then (a second attempt) written again
-        binary = written.binary and written.endpoint.sends_binary  # False once one was refused
-        if attempts:
-            body = written.rewritten(binary)
-        elif written.binary and not binary:  # another call's binary body was refused meanwhile
-            body = binary_body.json_form(json)
-        else:
-            body = json
-        attempts.append(body)
-        if binary:
-            return written.endpoint._post(body, True), True
-        return original(url, json=body, **kwargs), False
-
-    return written.endpoint._resent_inline(written.spans(), post)
 
 
 class EmbedsEndpoint(RuntimeEndpoint):
@@ -135,11 +73,35 @@ class EmbedsEndpoint(RuntimeEndpoint):
                                "(no 'sgl_embeds' in /get_model_info)")
         self.server_info = info
         self.hidden_size: int = info["hidden_size"]
-        kept = KeptSpans() if span_handles else None
-        self.writer = SpanWriter(self.hidden_size, wire_format, wire_dtype, kept)
-        # run()'s span requests go as binary bodies; False once something in between refused one
-        self.sends_binary: bool = (send_binary and wire_format == "base64"
-                                   and info.get("binary_body") == binary_body.CONTENT_TYPE)
+        writer = SpanWriter(self.hidden_size, wire_format, wire_dtype, HeldSpans() if span_handles else None)
+        takes_binary = (send_binary and wire_format == "base64"
+                        and info.get("binary_body") == binary_body.CONTENT_TYPE)
+        self.sender = SpanSender(base_url, writer, takes_binary, api_key=api_key, verify=verify)
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    @base_url.setter
+    def base_url(self, url: str) -> None:
+        """The server's address, for the stock calls and the span sender alike (a caller may
+        point an endpoint at another worker)."""
+        self._base_url = url
+        if "sender" in vars(self):
+            self.sender.base_url = url
+
+    @property
+    def writer(self) -> SpanWriter:
+        return self.sender.writer
+
+    @property
+    def sends_binary(self) -> bool:
+        """Span requests go as binary bodies: False once something in between refused one."""
+        return self.sender.sends_binary
+
+    @sends_binary.setter
+    def sends_binary(self, value: bool) -> None:
+        self.sender.sends_binary = value
 
     # -- the choke point --------------------------------------------------------------------
     def _add_images(self, s: Any, data: dict) -> None:
@@ -150,9 +112,10 @@ class EmbedsEndpoint(RuntimeEndpoint):
             prompts = [lang.program_prompt(s, t) for t in items]
             binary = self.sends_binary and not data.get("stream")  # a stream goes as JSON
             # sgl.embeds and the vision encoders checked these spans' values where they entered
-            data.update(self.writer.fields("input_segments", prompts, batch, check_values=False,
-                                           raw_rows=binary))
-            WRITTEN[id(data)] = WrittenBody(data, self, prompts, batch, binary)  # post_stock_body posts it
+            request = SpanRequest(self.sender, data, "input_segments", prompts, batch, binary,
+                                  check_values=False)
+            data.update(request.written(raw_rows=binary))
+            data["input_segments"] = SpanSegments(data["input_segments"], request)
         elif s.images_ and self.vision_encoder is None:
             super()._add_images(s, data)
 
@@ -165,22 +128,6 @@ class EmbedsEndpoint(RuntimeEndpoint):
                 if e is not None and e[1] is None:
                     entries[j] = list(SPAN_ROW_LOGPROB_ENTRY)
         return out
-
-    def _resent_inline(self, spans: Iterable[Any], post: Callable[[], tuple[Any, bool]]) -> Any:
-        """``post()``'s response (``post`` returns it and whether its body was binary). If the
-        server does not hold a handle the body names, or something in between refused its binary
-        form (this endpoint sends JSON from then on), the writer forgets ``spans`` (the body's)
-        and ``post()`` writes and sends the body once more, with their rows inline."""
-        res, binary = post()
-        if res.status_code == 200:
-            return res
-        error = _error(res)  # both response kinds keep their body for the caller's own read
-        if binary and _refuses_binary(res.status_code, error):
-            self.sends_binary = False
-        elif not _is_unknown_handle(error):
-            return res
-        self.writer.forget(spans)
-        return post()[0]
 
     # -- direct use ---------------------------------------------------------------------------
     def run(
@@ -204,63 +151,19 @@ class EmbedsEndpoint(RuntimeEndpoint):
         field, prompts, batch = "text", [], False
         if input_embeds is not None:
             field, batch = "input_embeds", wire.is_tensor_batch(input_embeds)
-            prompts = [[seg.Embeds(x)] for x in (input_embeds if batch else [input_embeds])]
+            prompts = [[seg.Span(x)] for x in (input_embeds if batch else [input_embeds])]
         elif input_segments is not None:
             field, (prompts, batch) = "input_segments", _segment_lists(input_segments)
-        spans = [s.tensor for p in prompts for s in (p.segments if isinstance(p, seg.Prompt) else p)
-                 if isinstance(s, seg.Embeds)]
-
-        def post() -> tuple[Any, bool]:  # the body is written again for a second attempt
-            if field == "text":
-                return self._post({**body, "text": text}, False), False
-            binary = self.sends_binary  # read per attempt: a refused binary body goes again as JSON
-            written = self.writer.fields(field, prompts, batch, raw_rows=binary)
-            return self._post({**body, **written}, binary), binary
-
-        res = self._resent_inline(spans, post)
+        if field == "text":
+            res = self.sender.post({**body, "text": text}, binary=False)
+        else:
+            res = self.sender.send(SpanRequest(self.sender, body, field, prompts, batch, binary=True))
         if res.status_code != 200:
-            error = _error(res)
-            if _is_unknown_handle(error):
+            error = error_body(res)
+            if is_unknown_handle(error):
                 raise RuntimeError(error)  # as the stock calls raise a refusal
             raise ValueError(f"/generate refused the request ({res.status_code}): {error.get('message', error)}")
         return res.json()
-
-    def _post(self, body: dict, binary: bool) -> Any:
-        """``body`` posted to ``/generate``, as JSON as the stock calls post theirs or as a binary
-        body (its rows tensors): the response."""
-        url = self.base_url + "/generate"
-        if not binary:
-            return http_request(url, json=body, api_key=self.api_key, verify=self.verify)
-        parts = binary_body.encode_parts(body)
-        headers = {"Content-Type": binary_body.CONTENT_TYPE}
-        if self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return _post_bytes(url, parts, headers, self.verify)
-
-
-def _post_bytes(url: str, parts: list, headers: dict, verify: str | None) -> HttpResponse:
-    """A body in ``parts`` (buffers, sent one after another: never joined) posted over
-    ``http.client``, answered as ``sglang.utils.http_request`` answers JSON (its response type;
-    an HTTP error is a response, as there). Something in between that refuses the body may
-    answer before reading it all and close (smg does, for a content type it does not take): the
-    rest of the body then meets a closed socket, and the answer already sent is read."""
-    split = urllib.parse.urlsplit(url)
-    if split.scheme == "https":
-        context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(split.hostname, split.port,
-                                                                       context=context)
-    else:
-        conn = http.client.HTTPConnection(split.hostname, split.port)
-    conn.putrequest("POST", split.path + (f"?{split.query}" if split.query else ""))
-    for name, value in {**headers, "Content-Length": str(sum(memoryview(p).nbytes for p in parts))}.items():
-        conn.putheader(name, value)
-    conn.endheaders()
-    try:
-        for part in parts:
-            conn.send(part)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # answered before the whole body was read: the answer follows
-    return HttpResponse(conn.getresponse())
 
 
 def _segment_lists(x: Any) -> tuple[list, bool]:
@@ -270,24 +173,3 @@ def _segment_lists(x: Any) -> tuple[list, bool]:
     if isinstance(x, list) and x and isinstance(x[0], (list, seg.Prompt)):
         return list(x), True
     return [list(x)], False
-
-
-def _is_unknown_handle(error: Any) -> bool:
-    return isinstance(error, dict) and error.get("type") == keys.UNKNOWN_HANDLE_TYPE
-
-
-def _refuses_binary(status: int, error: dict) -> bool:
-    """Whether the refusal of a binary body came from something in between, not from a server:
-    a 415 (the content type refused), or a ``BINARY_REFUSALS`` status without a server's error
-    body (``{"object": "error", ...}``: SGLang's, and the plugin's for bad rows or a malformed
-    frame, which JSON would not mend)."""
-    return status == 415 or (status in BINARY_REFUSALS and error.get("object") != "error")
-
-
-def _error(res: Any) -> dict:
-    """The server's error body (``{"message": ..., "type": ...}``)."""
-    try:
-        body = res.json()
-    except ValueError:
-        return {"message": res.text}
-    return body if isinstance(body, dict) else {"message": str(body)}

@@ -2,8 +2,8 @@
 
 ``hook_table``: target (see ``sgl_embeds_srt/targets.py`` for the guard of each) -> (hook type,
 our function): the interpreter's (``lang``: every executor's span table, our IR nodes, ``fork``)
-and the post of every stock ``RuntimeEndpoint`` call (``backend``: the inline resend of a refused
-handle). ``install`` checks the client's guards first and refuses a changed SGLang.
+and the post of every stock ``RuntimeEndpoint`` call (``sender``: a body with spans goes through
+its request's sender, which resends it inline on a refused handle). ``install`` checks the client's guards first and refuses a changed SGLang.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 import sglang as sgl
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_embeds import backend, lang
+from sgl_embeds import lang, sender
 from sgl_embeds_srt import targets
 
 
@@ -22,7 +22,7 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
         targets.EXECUTOR_INIT: (HookType.AROUND, lang.executor_init),
         targets.EXECUTE: (HookType.AROUND, lang.execute),
         targets.FORK: (HookType.AROUND, lang.fork),
-        targets.STOCK_POST: (HookType.AROUND, backend.post_stock_body),
+        targets.STOCK_POST: (HookType.AROUND, sender.post_stock_body),
     }
 
 

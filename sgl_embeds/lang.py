@@ -1,7 +1,7 @@
 """DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hooks.
 
 A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
-characters around a per-program key), with the tensor kept in the span table of the executor's
+characters around a per-program index), with the span kept in the table of the executor's
 ``ProgramSpans``. Markers ride along everything SGLang's interpreter does to text (roles and chat
 templates, ``fork``, ``gen``/``select`` prefixes), and ``program_prompt`` splits the text at them
 into segments. Every executor gets its ``ProgramSpans`` in ``__init__`` and ``fork`` copies it to
@@ -29,16 +29,16 @@ from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt import wire
 
 
-class SglEmbeds(SglExpr):
-    """A span of precomputed embeddings, ``[n, hidden]``."""
+class SglSpan(SglExpr):
+    """A span of precomputed embeddings, ``[n, hidden]``: what ``sgl.embeds`` puts in a program."""
 
-    def __init__(self, tensor: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None):
+    def __init__(self, rows: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None):
         super().__init__()
-        self.tensor = tensor
+        self.rows = rows
         self.image_grid_thw = image_grid_thw  # on M-RoPE VLMs: the image's patch grid [t, h, w]
 
     def __repr__(self) -> str:
-        return f"SglEmbeds(shape={list(self.tensor.shape)})"
+        return f"SglSpan(shape={list(self.rows.shape)})"
 
 
 class SglRegion(SglExpr):
@@ -54,17 +54,17 @@ class SglRegion(SglExpr):
         return f"SglRegion(box={self.box})"
 
 
-def embeds(x: Any, image_grid_thw: Any = None) -> SglEmbeds:
+def embeds(x: Any, image_grid_thw: Any = None) -> SglSpan:
     """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or
     ``[hidden]``. ``image_grid_thw`` (t, h, w): on a VLM served natively with M-RoPE (Qwen2.5-VL)
     the span is an image, with this patch grid before the spatial merge (docs/vision-encoders.md);
     write it between the vision-start and vision-end tokens."""
     grid = seg.image_grid(image_grid_thw)
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
-        return SglEmbeds(x, grid)
+        return SglSpan(x, grid)
     t = wire.as_2d_tensor(x)
     wire.check_tensor(t)
-    return SglEmbeds(t.detach().cpu(), grid)
+    return SglSpan(t.detach().cpu(), grid)
 
 
 def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglRegion:
@@ -87,7 +87,7 @@ class ProgramSpans:
     """What an executor (``StreamExecutor``) carries for sgl_embeds, attached in its ``__init__``
     (``executor_init``) and copied to every branch by ``fork``."""
 
-    table: dict[int, seg.Embeds] = field(default_factory=dict)  # marker key -> the span
+    table: dict[int, seg.Span] = field(default_factory=dict)  # marker index -> the span
     images: list[Any] = field(default_factory=list)  # the source of every sgl.image, in order
 
     def copy(self) -> ProgramSpans:
@@ -110,11 +110,12 @@ def program_prompt(executor: Any, text: str) -> seg.Prompt:
     return seg.split_at_markers(text, program_spans(executor).table)
 
 
-def add_span(executor: Any, tensor: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None) -> None:
+def add_span(executor: Any, span: seg.Span) -> None:
+    """``span`` into the executor's table, and its marker into the program text."""
     table = program_spans(executor).table
-    key = len(table)
-    table[key] = seg.Embeds(tensor, image_grid_thw=image_grid_thw)
-    executor._execute_fill(seg.marker(key))
+    index = len(table)
+    table[index] = span
+    executor._execute_fill(seg.marker(index))
 
 
 def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = None) -> None:
@@ -126,7 +127,7 @@ def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = Non
         encoded = cache.encode(encoder, image, region)
     else:
         encoded = vision.encode_region(image, region, encoder)
-    add_span(executor, encoded.rows, encoded.image_grid_thw)
+    add_span(executor, seg.Span(encoded.rows, image_grid_thw=encoded.image_grid_thw))
 
 
 def _execute_region(executor: Any, expr: SglRegion) -> None:
@@ -153,8 +154,8 @@ def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> N
 
 def execute(original: Callable, self: Any, other: Any) -> Any:
     """AROUND hook of ``StreamExecutor._execute``: our nodes, and images for encoder backends."""
-    if isinstance(other, SglEmbeds):
-        return add_span(self, other.tensor, other.image_grid_thw)
+    if isinstance(other, SglSpan):
+        return add_span(self, seg.Span(other.rows, image_grid_thw=other.image_grid_thw))
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
     if isinstance(other, SglImage):

@@ -2,7 +2,7 @@
 
 A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``, or ``-> ImageRows`` when
 the rows carry the image's patch grid (on VLMs with M-RoPE, Qwen2.5-VL: the server places the
-rows by it). ``checked_rows`` checks either where it enters and gives ``ImageRows``. The default,
+rows by it). ``as_image_rows`` checks either where it enters and gives ``ImageRows``. The default,
 ``OpenClipEncoder``, is a VLM's front half: an open_clip vision tower followed by a projector to
 the LLM's hidden size (LLaVA-style), with weights loaded from the developer's own checkpoint.
 
@@ -161,12 +161,12 @@ def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
 
 def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> ImageRows:
     """``encoder`` applied to the region (a box, a mask, or None for the whole image), checked by
-    ``checked_rows``."""
+    ``as_image_rows``."""
     out = encoder(region_image(image, region, encoder))
-    return checked_rows(out, getattr(encoder, "merge_size", None))
+    return as_image_rows(out, getattr(encoder, "merge_size", None))
 
 
-def checked_rows(out: Any, merge_size: int | None = None) -> ImageRows:
+def as_image_rows(out: Any, merge_size: int | None = None) -> ImageRows:
     """An encoder's output (rows, or ``ImageRows``) checked where it enters: rows ``[n, hidden]``,
     finite, moved to the CPU; a grid ``[t, h, w]`` of positive ints that, when the encoder gives
     its ``merge_size``, accounts for every row (``t*h*w / merge_size**2``)."""

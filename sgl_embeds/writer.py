@@ -5,9 +5,9 @@ server's hidden size (and its values too, unless they were checked where the spa
 ``sgl.embeds`` and the vision encoders check what they make), it is cast to the wire dtype and
 encoded (``wire.encode_tensor``; for a binary body, ``binary_body.py``, the rows stay a tensor),
 and a span this client has sent the server with ``keep_spans`` goes by its handle after that
-(``KeptSpans``). A server that does not hold a handle (evicted, or another worker behind a
+(``HeldSpans``). A server that does not hold a handle (evicted, or another worker behind a
 gateway) answers ``UnknownSpanHandle``; the endpoint then ``forget``s the request's spans and
-sends it again, so their rows go inline and are kept again. Each body also carries a routing
+sends it again, so their rows go inline and are held again. Each body also carries a routing
 hint (``keys.routing_text``) as its ``text``, so a gateway's cache-aware policy sends a repeated
 span to the worker that holds it.
 """
@@ -27,25 +27,26 @@ from sgl_embeds_srt.lru import LRU
 
 
 @dataclass(frozen=True)
-class KeptSpan:
-    """What the client knows of a span a server keeps for it."""
+class HeldSpan:
+    """What the client knows of a span a server holds for it."""
 
-    handle: str  # keys.span_handle of the rows as the server decodes them
+    handle: str  # keys.content_key of the rows as the server decodes them: the API's handle
     route: str  # keys.route_rows: the span's part of the routing hint
 
 
-class KeptSpans(LRU[KeptSpan]):
+class HeldSpans(LRU[HeldSpan]):
     """The spans this client has sent one server (or gateway) with ``keep_spans``, by content, at
     most ``max_entries`` (the least recently used dropped first). A lookup hashes the rows with
-    xxh3 (about 0.5 ms for 4096 rows of 576 floats); the handle (``keys.span_handle``) is
-    computed once, on the first send."""
+    xxh3 (``wire_hash``: about 0.5 ms for 4096 rows of 576 floats); the handle
+    (``keys.content_key``) is computed once, on the first send."""
 
     def __init__(self, max_entries: int = 1 << 16) -> None:
         super().__init__(max_entries)
 
     @staticmethod
-    def key(rows: torch.Tensor) -> tuple:
-        """The content key of rows in the wire dtype (``wire.as_wire_tensor``)."""
+    def wire_hash(rows: torch.Tensor) -> tuple:
+        """The lookup of rows in the wire dtype (``wire.as_wire_tensor``): an xxh3 of their
+        bytes with their dtype and shape; never sent."""
         return str(rows.dtype), tuple(rows.shape), xxhash.xxh3_128_hexdigest(keys.raw_bytes(rows))
 
 
@@ -61,31 +62,31 @@ class WrittenSpan:
 
 class SpanWriter:
     """Writes span prompts for one server: its ``hidden_size``, one wire format and dtype (see
-    ``wire.encode_tensor``) and, with ``kept``, the spans it keeps for this client. Without
-    ``kept`` every span goes inline and no body asks the server to keep one."""
+    ``wire.encode_tensor``) and, with ``held``, the spans the server holds for this client.
+    Without ``held`` every span goes inline and no body asks the server to hold one."""
 
     def __init__(self, hidden_size: int, wire_format: str = "base64", wire_dtype: str | None = None,
-                 kept: KeptSpans | None = None) -> None:
+                 held: HeldSpans | None = None) -> None:
         self.hidden_size = hidden_size
         self.wire_format, self.wire_dtype = wire_format, wire_dtype
-        self.kept = kept
+        self.held = held
 
     def fields(self, field: str, prompts: list, batch: bool, check_values: bool = True,
                raw_rows: bool = False) -> dict:
         """The body fields of ``prompts`` (each a ``Prompt`` or a list of segments: ``Text``,
-        ``Ids``, ``Embeds`` or wire dicts, which pass as they are): ``field`` (``input_segments``,
+        ``Ids``, ``Span`` or wire dicts, which pass as they are): ``field`` (``input_segments``,
         or ``input_embeds`` for prompts that are one span each; a list of them when ``batch``),
         the routing hint ``text`` of the first prompt, and ``keep_spans`` when a span goes inline
-        and the server keeps spans for this client. ``check_values=False``: the spans' values were
+        and the server holds spans for this client. ``check_values=False``: the spans' values were
         checked where they entered; only their width is checked here. ``raw_rows``: a span's
         rows stay a tensor (in the wire dtype), for a binary body (``binary_body.encode_body``)."""
         wired, routes, inline = [], [], False
         for i, prompt in enumerate(prompts):
             out, route = [], []
             for j, s in enumerate(prompt.segments if isinstance(prompt, seg.Prompt) else prompt):
-                if isinstance(s, seg.Embeds):
+                if isinstance(s, seg.Span):
                     where = f"prompt {i}: " if field == "input_embeds" else f"segment {j}: "
-                    span = self._span(s.tensor, check_values, where, raw_rows)
+                    span = self._span(s.rows, check_values, where, raw_rows)
                     inline |= span.inline
                     out.append({"type": "embeds", "embeds": span.embeds})
                     if s.image_grid_thw is not None:
@@ -97,38 +98,38 @@ class SpanWriter:
             wired.append(out if field == "input_segments" else out[0]["embeds"])
             routes.append(keys.routing_text(route))
         body: dict[str, Any] = {field: wired if batch else wired[0], "text": routes[0]}
-        if inline and self.kept is not None:
+        if inline and self.held is not None:
             body["keep_spans"] = True
         return body
 
     def forget(self, spans: Iterable[Any]) -> None:
         """Stop naming ``spans`` by handle: the server answered that it does not hold one of them,
-        so the request sent again carries their rows inline (and asks for them to be kept)."""
-        if self.kept is None:
+        so the request sent again carries their rows inline (and asks for them to be held)."""
+        if self.held is None:
             return
         for x in spans:
-            self.kept.pop(KeptSpans.key(self._wire_tensor(x)))
+            self.held.pop(HeldSpans.wire_hash(self._wire_tensor(x)))
 
     def _span(self, x: Any, check_values: bool, where: str, raw_rows: bool) -> WrittenSpan:
-        if self.kept is None:
-            rows = self._wire_tensor(self._checked(x, check_values, where))
+        if self.held is None:
+            rows = self._wire_tensor(self._as_rows(x, check_values, where))
             return WrittenSpan(self._encode(rows, raw_rows), keys.route_rows(rows), inline=True)
-        rows = self._wire_tensor(self._checked(x, False, where))
-        key = KeptSpans.key(rows)
-        kept = self.kept.get(key)
-        if kept is not None:  # these very bytes were checked when they were first sent
-            return WrittenSpan({"handle": kept.handle}, kept.route, inline=False)
+        rows = self._wire_tensor(self._as_rows(x, False, where))
+        wire_hash = HeldSpans.wire_hash(rows)
+        held = self.held.get(wire_hash)
+        if held is not None:  # these very bytes were checked when they were first sent
+            return WrittenSpan({"handle": held.handle}, held.route, inline=False)
         # one read of the rows for the handle, the routing hint and the values check (on the
         # rows as the server decodes them: a cast to the wire dtype that overflows is caught too)
-        digests, first_bad = keys.checked_row_digests(rows)
+        digests, first_bad = keys.digests_and_first_non_finite(rows)
         if check_values and first_bad is not None:
             raise ValueError(f"{where}embeddings contain NaN or Inf as sent, in "
                              f"{wire.DTYPE_NAMES[rows.dtype]} (first in row {first_bad})")
-        kept = KeptSpan(keys.span_handle(rows, digests), keys.route_rows(rows, digests))
-        self.kept.put(key, kept)
-        return WrittenSpan(self._encode(rows, raw_rows), kept.route, inline=True)
+        held = HeldSpan(keys.content_key(rows, digests), keys.route_rows(rows, digests))
+        self.held.put(wire_hash, held)
+        return WrittenSpan(self._encode(rows, raw_rows), held.route, inline=True)
 
-    def _checked(self, x: Any, check_values: bool, where: str) -> torch.Tensor:
+    def _as_rows(self, x: Any, check_values: bool, where: str) -> torch.Tensor:
         """A span as a tensor, its shape checked against the server's hidden size, and its values
         with ``check_values``; an error names the span (``where``)."""
         t = wire.as_2d_tensor(x)
@@ -155,7 +156,7 @@ def _plain_segment(s: Any, j: int) -> dict:
         return {"type": "text", "text": s.text}
     if isinstance(s, seg.Ids):
         return {"type": "input_ids", "input_ids": list(s.ids)}
-    raise ValueError(f"segment {j}: expected Text, Ids, Embeds or a wire dict, "
+    raise ValueError(f"segment {j}: expected Text, Ids, Span or a wire dict, "
                      f"got {type(s).__name__}")
 
 

@@ -11,7 +11,7 @@ range of the buffer (offsets from the buffer's start, the rows row-major and lit
 
 So no base64 and no multi-megabyte JSON string is ever built or parsed, and a decoded span is a
 view of the received body (a copy only where its range is not aligned to its dtype;
-``encode_parts`` aligns every range). A range stands only where a span goes (``SPAN_FIELDS``: a
+``encode_parts`` aligns every range). A range stands only where a span goes (``RANGE_FIELDS``: a
 body's top-level ``input_embeds``, or an item of its list, and ``embeds`` (an upload); and the
 span of a segment ``{"type": "embeds", "embeds": ...}`` or of a chat part ``{"type":
 "input_embeds", "input_embeds": ...}``): the decoded request is the JSON form's with tensors at
@@ -44,7 +44,7 @@ CONTENT_TYPE = "application/x-sgl-embeds"
 ALIGN = 64  # encode_parts starts the buffer and each range at a multiple of this
 # The fields that take a span (a top-level input_embeds also a list of them); below the top, in
 # an object whose type names the field (a segment or a chat part)
-SPAN_FIELDS = ("input_embeds", "embeds")
+RANGE_FIELDS = ("input_embeds", "embeds")
 RANGE_KEYS = {"dtype", "shape", "data_offsets"}
 
 
@@ -126,7 +126,7 @@ def decode_body(body: bytes | bytearray | memoryview,
         raise wire.WireError(f"the head of a binary body must be a JSON object (the request), "
                              f"got {type(head).__name__}")
     start = 8 + n
-    ranges = [_checked(node, key, where, len(data) - start, max_bytes)
+    ranges = [_read_range(node, key, where, len(data) - start, max_bytes)
               for node, key, where in _places(head)]
     covering = sorted((r for r in ranges if r.end > r.begin), key=lambda r: r.begin)
     for before, after in zip(covering, covering[1:]):
@@ -165,7 +165,7 @@ def _places(head: dict) -> list[tuple[Any, Any, str]]:
             if not isinstance(value, (dict, list)):
                 continue
             here = (f"{path}.{key}" if path else key) if is_dict else f"{path}[{key}]"
-            place = takes_spans or (is_dict and key in SPAN_FIELDS
+            place = takes_spans or (is_dict and key in RANGE_FIELDS
                                     and (node is head or node.get("type") == key))
             if isinstance(value, dict) and "data_offsets" in value:
                 if not place:
@@ -179,7 +179,7 @@ def _places(head: dict) -> list[tuple[Any, Any, str]]:
     return found
 
 
-def _checked(node: Any, key: Any, where: str, buffer_size: int, max_bytes: int) -> _Range:
+def _read_range(node: Any, key: Any, where: str, buffer_size: int, max_bytes: int) -> _Range:
     """The range at ``node[key]``, checked against the buffer's size and the span limit."""
     ref = node[key]
     unknown = set(ref) - RANGE_KEYS

@@ -3,7 +3,7 @@
 ``{"embeds": <tensor>}`` is validated (as a span of the served model) and kept in a store bounded
 in bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU eviction); the answer is ``{"handle": "span-<hash>",
 ...}``. Any place that takes a tensor then also takes ``{"handle": "span-..."}``. Handles are
-content hashes (``keys.span_handle``: BLAKE3 of dtype, shape and the rows' digests): uploading the
+content hashes (``keys.content_key``: BLAKE3 of dtype, shape and the rows' digests): uploading the
 same rows twice gives the same handle, and a handle cannot be guessed without the rows. The store
 keeps each span's row digests beside its rows: sent in the model's dtype, its rows are hashed once,
 for its handle and its placeholder ids together. ``DELETE /sgl_embeds/spans/<handle>`` drops one. A
@@ -20,11 +20,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt.lru import LRU, kept_rows, nbytes
-from sgl_embeds_srt.segments import Embeds
+from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
+from sgl_embeds_srt.segments import Span
 
 PATH = "/sgl_embeds/spans"
 
@@ -42,48 +40,46 @@ class UnknownSpanHandle(wire.WireError):
                          "deleted, or evicted; send the span's rows instead")
 
 
-def _weight(span: Embeds) -> int:
-    """What a kept span holds: its rows' whole buffer (``put`` may keep a view) and digests."""
-    return span.tensor.untyped_storage().nbytes() + len(span.row_digests or b"")
+def _weight(span: Span) -> int:
+    """What a held span holds: its rows' whole buffer (``put`` may keep a view) and digests."""
+    return span.rows.untyped_storage().nbytes() + len(span.row_digests or b"")
 
 
-# A span whose buffer holds at most this much more than its rows is kept without a copy (a span
+# A span whose buffer holds at most this much more than its rows is held without a copy (a span
 # decoded from base64, or the one span of a binary body: the buffer is the request's, with its
-# head); any other is copied (lru.kept_rows).
+# head); any other is copied (lru.rows_to_hold).
 _OWN_BUFFER_SLACK = 1 / 16
 
 
 class SpanStore:
-    """Kept spans by handle (each an ``Embeds`` with its rows, handle and row digests), least
-    recently used evicted first, at most ``budget`` bytes (rows and digests)."""
+    """Held spans by content key (each a ``Span`` with its rows, content key and row digests),
+    least recently used evicted first, at most ``budget`` bytes (rows and digests)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._lru: LRU[Embeds] = LRU(budget, _weight)
+        self._lru: LRU[Span] = LRU(budget, _weight)
 
-    def put(self, t: torch.Tensor, digests: bytes | None = None) -> Embeds:
-        """Keep the rows ``t`` (decoded from a request: nobody writes to them; a copy where they
-        view a larger buffer, ``lru.kept_rows``); ``digests``: their ``keys.row_digests`` where the
-        caller has them. The span as kept. The same rows again give the same handle and refresh
-        the kept span."""
-        t = t.detach().contiguous()
+    def put(self, span: Span) -> Span:
+        """Hold ``span`` (``keys.keyed``: its rows decoded from a request, nobody writes to them; a
+        copy where they view a larger buffer, ``lru.rows_to_hold``) under its content key. The span
+        as held: the same rows again give the same handle and refresh the held span."""
+        t = span.rows.detach().contiguous()
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:
             raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of "
                              f"{self.budget} bytes")
-        digests = keys.row_digests(t) if digests is None else digests
-        handle = keys.span_handle(t, digests)
-        kept = self._lru.get(handle)
-        if kept is None:
-            kept = Embeds(kept_rows(t, _OWN_BUFFER_SLACK), handle, row_digests=digests)
-            self._lru.put(handle, kept)
-        return kept
+        span = keys.keyed(span)
+        held = self._lru.get(span.content_key)
+        if held is None:
+            held = Span(rows_to_hold(t, _OWN_BUFFER_SLACK), span.content_key, span.row_digests)
+            self._lru.put(span.content_key, held)
+        return held
 
-    def get(self, handle: Any) -> Embeds:
-        kept = self._lru.get(handle) if isinstance(handle, str) else None
-        if kept is None:
+    def get(self, handle: Any) -> Span:
+        held = self._lru.get(handle) if isinstance(handle, str) else None
+        if held is None:
             raise UnknownSpanHandle(handle)
-        return kept
+        return held
 
     def delete(self, handle: str) -> bool:
         return self._lru.pop(handle) is not None
@@ -98,6 +94,6 @@ def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:
         raise ValueError('upload a span as {"embeds": <tensor>}')
     t = wire.decode_tensor(body["embeds"], store.budget)
     wire.check_shape(t, hidden_size)
-    handle = store.put(t, keys.finite_row_digests(t)).handle
+    handle = store.put(Span(t, row_digests=keys.finite_row_digests(t))).content_key
     return {"handle": handle, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size()}

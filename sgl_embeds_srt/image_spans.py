@@ -10,7 +10,7 @@ reports it) is served as an image:
   embedding item per span (``image_inputs``) whose identity is the span's content key and its
   grid (the same rows with another grid never share KV; SGLang never hashes the rows), and the
   M-RoPE positions from SGLang's own rope-index code. The rows travel in the prompt's
-  ``transport.PromptRows`` like any span's, so a span by handle crosses to the scheduler once.
+  ``prompt_rows.PromptRows`` like any span's, so a span by handle crosses to the scheduler once.
 * Scheduler (``handle_generate_request``): before the request is built, each image's rows move
   from the rows carrier into its item, and the items become the request's multimodal inputs.
 * Model runner (``get_embedding_and_mask``): precomputed items are embedded as they are, item by
@@ -37,7 +37,7 @@ from sglang.srt.managers.schedule_batch import (
     MultimodalProcessorOutput,
 )
 
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.prompt_rows import PromptRows
 
 # The VLM families whose image rows we can place exactly (their rope index and embedding path
 # were read and tested); the others are refused by name (docs/vision-encoders.md says why).
@@ -82,7 +82,7 @@ class VisionSpec:
 class ImageSpan:
     """A grid span placed in a prompt: its content key, grid, and first row's position."""
 
-    key: str
+    content_key: str
     grid: tuple[int, int, int]
     start: int
     n_rows: int
@@ -117,9 +117,9 @@ def check_image_span(grid: tuple[int, int, int] | None, n_rows: int, spec: Visio
                          "without it the rope index would place the rows as text")
 
 
-def identity(key: str, grid: tuple[int, int, int]) -> bytes:
+def identity(content_key: str, grid: tuple[int, int, int]) -> bytes:
     """The 32-byte cache identity of an image span: its content key and its grid."""
-    return hashlib.sha256(_IDENTITY_TAG + key.encode() + struct.pack("<3q", *grid)).digest()
+    return hashlib.sha256(_IDENTITY_TAG + content_key.encode() + struct.pack("<3q", *grid)).digest()
 
 
 def image_inputs(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> MultimodalProcessorOutput:
@@ -131,7 +131,7 @@ def image_inputs(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> M
             modality=Modality.IMAGE, format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING,
             offsets=[(image.start, image.start + image.n_rows - 1)],
             model_specific_data={"image_grid_thw": torch.tensor([image.grid]), SPAN_ITEM_KEY: True})
-        item.set_identity(identity(image.key, image.grid))
+        item.set_identity(identity(image.content_key, image.grid))
         items.append(item)
     positions, delta = MRotaryEmbedding.get_rope_index(
         spatial_merge_size=spec.merge_size, image_token_id=spec.image_token_id,
@@ -163,7 +163,7 @@ def create_tokenized_object(original: Callable, self: Any, obj: Any, *args: Any,
 
 def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``Scheduler.handle_generate_request``: each image item of the request takes
-    its rows (restored by now, ``PromptRows.reconstruct``) out of the rows carrier, which keeps
+    its rows (restored by now, ``transport.CrossingRows.reconstruct``) out of the rows carrier, which keeps
     only the rows of plain spans (none on these models). A request whose rows this scheduler
     should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
     images = recv_req.mm_inputs
@@ -186,10 +186,10 @@ def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args:
             item.feature = prompt_rows.embeds[first:last + 1]
             taken.update(range(first, last + 1))
     recv_req.mm_inputs = images
-    kept = [i for i in range(len(prompt_rows.positions)) if i not in taken]
-    if kept:
+    plain = [i for i in range(len(prompt_rows.positions)) if i not in taken]
+    if plain:
         recv_req.positional_embed_overrides = PositionalEmbeds(
-            prompt_rows.embeds[kept], [prompt_rows.positions[i] for i in kept])
+            prompt_rows.embeds[plain], [prompt_rows.positions[i] for i in plain])
     return original(self, recv_req, *args, **kwargs)
 
 

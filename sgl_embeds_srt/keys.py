@@ -6,7 +6,7 @@
   the rows' dtype, so the same bytes read as another dtype (bfloat16 and float16 rows of one
   width) are other rows. The server's placeholder ids are their first 62 bits
   (``placeholders.py``).
-* ``span_handle``: the name a server keeps a span under (``srt/handles.py``): a keyed BLAKE3 of
+* ``content_key``: the name a server keeps a span under (``srt/handles.py``): a keyed BLAKE3 of
   its dtype, shape and row digests (a two-level hash tree, so a server keeping a span gets its
   handle and its rows' keys from the same pass). Equal rows get equal handles, a handle cannot be
   guessed without the rows, and a collision is as hard as one of BLAKE3 (128-bit security, as
@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Iterable
@@ -34,7 +35,7 @@ import torch
 from blake3 import blake3
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
+from sgl_embeds_srt.segments import Span, Ids, Segment, Text
 
 try:
     from sgl_embeds_srt import _row_digests as native_rows
@@ -53,18 +54,18 @@ KEY_SCHEME = "blake3-rows/v3"
 ROW_DIGEST_BYTES = 32
 
 
-def _derived_key(purpose: str) -> bytes:
+def _derived_blake3_key(purpose: str) -> bytes:
     """Keyed BLAKE3, keys derived from the scheme's name: a row digest is never a handle's."""
     return blake3(purpose.encode(), derive_key_context=f"sgl_embeds {KEY_SCHEME}").digest()
 
 
-_SPAN_KEY = _derived_key("span")
+_CONTENT_BLAKE3_KEY = _derived_blake3_key("span")
 
 
 @functools.cache
-def row_key(dtype: torch.dtype) -> bytes:
+def row_blake3_key(dtype: torch.dtype) -> bytes:
     """The key of the digests of rows of ``dtype``."""
-    return _derived_key(f"row {dtype}")
+    return _derived_blake3_key(f"row {dtype}")
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -86,7 +87,7 @@ def _threads(nbytes: int) -> int:
 def row_digests(t: torch.Tensor) -> bytes:
     """The ``ROW_DIGEST_BYTES`` keyed BLAKE3 digests of the rows of ``t`` ``[n, ...]``, back to
     back, in one native call (docs/performance.md has its speed)."""
-    raw, key = raw_bytes(t), row_key(t.dtype)
+    raw, key = raw_bytes(t), row_blake3_key(t.dtype)
     n = t.shape[0] if t.dim() else 1
     width = raw.nbytes // n if n else 0
     if width == 0:  # no bytes per row: each row's digest is the empty input's
@@ -101,7 +102,7 @@ _EXPONENT_BITS = {torch.float32: (4, 0x7F800000), torch.float16: (2, 0x7C00),
                   torch.bfloat16: (2, 0x7F80)}
 
 
-def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
+def digests_and_first_non_finite(t: torch.Tensor) -> tuple[bytes, int | None]:
     """``row_digests(t)`` and the first row of ``t`` holding a NaN or an Inf (None if none does),
     from one read of its bytes where the native pass was built (the check runs on each group of
     rows right after it is hashed, while it is in cache) for the dtypes in ``_EXPONENT_BITS``;
@@ -110,7 +111,7 @@ def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
     if native_rows is None or raw.nbytes == 0 or t.dtype not in _EXPONENT_BITS:
         return row_digests(t), wire.first_non_finite_row(t)
     elem_size, mask = _EXPONENT_BITS[t.dtype]
-    digests, first_bad = native_rows.checked_digests(raw, raw.nbytes // t.shape[0], row_key(t.dtype),
+    digests, first_bad = native_rows.checked_digests(raw, raw.nbytes // t.shape[0], row_blake3_key(t.dtype),
                                                       _threads(raw.nbytes), elem_size, mask)
     return digests, None if first_bad == t.shape[0] else first_bad
 
@@ -118,7 +119,7 @@ def checked_row_digests(t: torch.Tensor) -> tuple[bytes, int | None]:
 def finite_row_digests(t: torch.Tensor) -> bytes:
     """``row_digests(t)`` of rows whose every value is finite, else ``wire.WireError`` naming the
     first row holding a NaN or an Inf: how the server reads a span's bytes where it enters, once."""
-    digests, first_bad = checked_row_digests(t)
+    digests, first_bad = digests_and_first_non_finite(t)
     if first_bad is not None:
         raise wire.non_finite(first_bad)
     return digests
@@ -131,12 +132,23 @@ def row_digests_by_row(raw: memoryview, width: int, key: bytes) -> bytes:
                      for i in range(0, raw.nbytes, width)])
 
 
-def span_handle(t: torch.Tensor, digests: bytes | None = None) -> str:
-    """The handle of a span as the server decodes it (dtype, shape and rows as sent).
-    ``digests``: ``row_digests(t)`` when the caller has them (then no byte is hashed again)."""
-    digest = blake3(f"{t.dtype}{list(t.shape)}".encode(), key=_SPAN_KEY)
+def content_key(t: torch.Tensor, digests: bytes | None = None) -> str:
+    """The content key of a span as the server decodes it (dtype, shape and rows as sent): what
+    the API calls its handle. ``digests``: ``row_digests(t)`` when the caller has them (then no
+    byte is hashed again)."""
+    digest = blake3(f"{t.dtype}{list(t.shape)}".encode(), key=_CONTENT_BLAKE3_KEY)
     digest.update(row_digests(t) if digests is None else digests)
     return HANDLE_PREFIX + digest.hexdigest()
+
+
+def keyed(span: Span) -> Span:
+    """``span`` with its row digests and content key, each computed only where absent: the one
+    place a span gets its content key (the server's decoder, the handle store, and ``build_ids``
+    for spans an in-process caller made)."""
+    if span.content_key is not None and span.row_digests is not None:
+        return span
+    digests = row_digests(span.rows) if span.row_digests is None else span.row_digests
+    return dataclasses.replace(span, row_digests=digests, content_key=content_key(span.rows, digests))
 
 
 def route_rows(t: torch.Tensor, digests: bytes | None = None) -> str:
@@ -164,8 +176,8 @@ def routing_text(segments: Iterable[Segment | str]) -> str:
             parts.append(s.text)
         elif isinstance(s, Ids):
             parts.append(" ".join(map(str, s.ids)) + " ")
-        elif isinstance(s, Embeds):
-            parts.append(route_rows(s.tensor) + route_grid(s.image_grid_thw))
+        elif isinstance(s, Span):
+            parts.append(route_rows(s.rows) + route_grid(s.image_grid_thw))
     parts.append(ROUTE_TAG)
     return "".join(parts)
 

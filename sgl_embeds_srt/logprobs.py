@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.prompt_rows import PromptRows
 
 
 def add_logprob_to_meta_info(original: Callable, self: Any, meta_info: dict, state: Any,

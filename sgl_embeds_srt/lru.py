@@ -4,7 +4,7 @@ The budget is in the units of ``weigh(value)``: bytes for tensors (``nbytes``), 
 default. Its users: the server's span store (``handles.SpanStore``) and the placeholder ids of
 kept spans (``placeholders``), which spans the scheduler holds per HTTP process
 (``transport.RowsTransport``), the client's vision-encoder outputs (``vision.EncoderCache``) and
-the spans a client has sent a server (``sgl_embeds.writer.KeptSpans``). Thread-safe.
+the spans a client has sent a server (``sgl_embeds.writer.HeldSpans``). Thread-safe.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def kept_rows(t: torch.Tensor, slack: float = 0.0) -> torch.Tensor:
+def rows_to_hold(t: torch.Tensor, slack: float = 0.0) -> torch.Tensor:
     """``t`` to keep in a cache: itself where it is contiguous and its buffer holds at most
     ``slack`` (a fraction of its bytes) more than it, else a copy of its own, so that a kept
     tensor never holds on to the rest of a larger buffer (other rows of one message or body)."""

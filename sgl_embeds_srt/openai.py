@@ -15,10 +15,9 @@ Extension fields (send them with the official client through ``extra_body``):
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
 rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
 for each span, and split at the markers. ``completions_body`` / ``chat_body`` give the rewritten
-body and the prompt's rows (``transport.PromptRows``); the middleware hands the body to SGLang's
-own route and leaves the rows in the request's ASGI scope state (``PROMPT_ROWS_KEY``), and when
-that route calls ``TokenizerManager.generate_request`` with the request, ``generate_request``
-below attaches them. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's
+body and the prompt's rows (``prompt_rows.PromptRows``); the middleware hands both to SGLang's
+own route as the ``stock_request.StockRequest`` being served, and when that route calls
+``TokenizerManager.generate_request``, ``generate_request`` below attaches the rows. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's
 own code.
 """
 
@@ -26,16 +25,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from starlette.requests import HTTPConnection
-
-from sgl_embeds_srt import parse, prompts, wire
+from sgl_embeds_srt import parse, prompts
 from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
+from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.keys import is_routing_text
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.prompt_rows import PromptRows
+from sgl_embeds_srt.stock_request import being_served
 
-PART_TYPE = "input_embeds"
-PROMPT_ROWS_KEY = "sgl_embeds_prompt_rows"  # where the prompt's rows wait in the scope state
+SPAN_PART_TYPE = "input_embeds"
 
 
 def completions_body(body: dict, spec: prompts.ModelSpec,
@@ -50,7 +47,7 @@ def completions_body(body: dict, spec: prompts.ModelSpec,
         raise ValueError("/v1/completions takes one span prompt per request; "
                          "use /generate for batches")
     ids, prompt_rows = prompts.build_ids(parsed[0], spec)
-    out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
+    out = {k: v for k, v in body.items() if k not in parse.REQUEST_SPAN_FIELDS}
     out["prompt"] = ids
     return out, prompt_rows
 
@@ -61,7 +58,7 @@ def chat_has_spans(body: dict) -> bool:
     messages = body.get("messages")
     for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == PART_TYPE
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == SPAN_PART_TYPE
                                              for p in content):
             return True
     return False
@@ -70,18 +67,17 @@ def chat_has_spans(body: dict) -> bool:
 def chat_body(body: dict, spec: prompts.ModelSpec,
               store: SpanStore | None = None) -> tuple[dict, PromptRows | None]:
     """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the prompt's rows to attach."""
-    out = {k: v for k, v in body.items() if k not in parse.SPAN_FIELDS}
-    keep = parse.keep_spans(body, store)
+    out = {k: v for k, v in body.items() if k not in parse.REQUEST_SPAN_FIELDS}
+    reader = parse.SpanReader(parse.max_span_bytes(), store, parse.wants_held(body, store))
     if body.get("input_embeds") is not None:
-        span = parse.decode_span(body["input_embeds"], parse.max_span_bytes(), store, keep)
+        span = reader.read(body["input_embeds"])
         ids, prompt_rows = prompts.build_ids([span], spec)
         if not out.get("messages"):  # SGLang validates messages even when input_ids are given
             out["messages"] = [{"role": "user", "content": ""}]
         out["input_ids"] = ids
         return out, prompt_rows
-    spans: list[seg.Embeds] = []
+    spans: list[seg.Span] = []
     image_parts: list[int] = []  # indices into spans of the parts rendered as the template's images
-    budget = parse.max_span_bytes()
     messages, flat_messages = [], []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
@@ -95,16 +91,9 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
             if kind == "text":
                 if not is_routing_text(part.get("text")):
                     parts.append({"type": "text", "text": str(part.get("text", ""))})
-            elif kind == PART_TYPE:
-                where = f"messages[{i}].content[{j}]: "
-                try:
-                    span = parse.decode_span(part.get(PART_TYPE), budget, store, keep)
-                except UnknownSpanHandle:
-                    raise
-                except wire.WireError as e:
-                    raise wire.WireError(f"{where}{e}") from None
-                budget -= span.tensor.numel() * 4
-                span.image_grid_thw = parse.image_grid_thw(part.get("image_grid_thw"), where)
+            elif kind == SPAN_PART_TYPE:
+                span = reader.read(part.get(SPAN_PART_TYPE), f"messages[{i}].content[{j}]: ",
+                                   part.get("image_grid_thw"))
                 if span.image_grid_thw is not None and spec.vision is not None:
                     image_parts.append(len(spans))
                     parts.append({"type": "image"})
@@ -113,7 +102,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
                 spans.append(span)
             else:
                 raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be "
-                                 f"'text' or '{PART_TYPE}', got {kind!r}")
+                                 f"'text' or '{SPAN_PART_TYPE}', got {kind!r}")
         flat = "".join(p.get("text", "") for p in parts)
         has_image = any(p["type"] == "image" for p in parts)
         messages.append({**m, "content": parts if has_image else flat})
@@ -151,20 +140,18 @@ def chat_text(tokenizer: Any, messages: list, body: dict) -> str:
         raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
-def _segments_of_chat_text(text: str, spans: list[seg.Embeds]) -> list[seg.Segment]:
+def _segments_of_chat_text(text: str, spans: list[seg.Span]) -> list[seg.Segment]:
     prompt = seg.split_at_markers(text, dict(enumerate(spans)))
-    if sum(isinstance(s, seg.Embeds) for s in prompt.segments) != len(spans):
+    if sum(isinstance(s, seg.Span) for s in prompt.segments) != len(spans):
         raise ValueError("the chat template dropped a span: every input_embeds part must be rendered")
     return prompt.segments
 
 
 def generate_request(original: Callable, self: Any, obj: Any, request: Any = None) -> Any:
-    """AROUND hook of ``TokenizerManager.generate_request``: attach the prompt's rows that the
-    middleware left in the request's scope state to the ``GenerateReqInput`` SGLang's OpenAI
-    handler built (``request``: a Starlette request, or None from the ``Engine``)."""
-    scope_state = request.scope.get("state") if isinstance(request, HTTPConnection) else None
-    # pop: once, a retried call must not attach them twice
-    prompt_rows = scope_state.pop(PROMPT_ROWS_KEY, None) if scope_state else None
-    if prompt_rows is not None:
-        obj.positional_embed_overrides = prompt_rows
+    """AROUND hook of ``TokenizerManager.generate_request``: attach the prompt's rows of the
+    ``StockRequest`` being served to the ``GenerateReqInput`` SGLang's OpenAI handler built
+    (``request``: a Starlette request; None from the ``Engine``, which never serves one)."""
+    stock = being_served() if request is not None else None
+    if stock is not None and stock.prompt_rows is not None:
+        obj.positional_embed_overrides = stock.prompt_rows
     return original(self, obj, request)

@@ -5,7 +5,8 @@ such lists for a batch) and ``input_embeds`` (one wire tensor for the whole prom
 them). Each tensor is decoded and checked here, once (``wire.decode_tensor``, then its values in
 the same read as its row digests, ``keys.finite_row_digests``); a
 ``{"handle": ...}`` in its place is looked up in the server's span store, and with
-``"keep_spans": true`` every span sent inline is kept there under its handle. A ``text`` (or, on
+``"keep_spans": true`` every span sent inline is held there under its content key. ``SpanReader``
+is the one span decoder: the segment lists here and the chat route's content parts use it. A ``text`` (or, on
 ``/v1/completions``, a ``prompt``) that is a gateway routing hint (``keys.routing_text``) is
 dropped. Shapes are checked against the model later, in ``prompts.build_ids``. Every error is a
 ``ValueError`` (HTTP 400).
@@ -18,13 +19,15 @@ import os
 from typing import Any
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import finite_row_digests, is_routing_text
-from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text, image_grid
+from sgl_embeds_srt.keys import finite_row_digests, is_routing_text, keyed
+from sgl_embeds_srt.segments import Span, Ids, Segment, Text, image_grid
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
-SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
+# the top-level fields of a span request, which a stock body must not carry
+REQUEST_SPAN_FIELDS = ("input_segments", "input_embeds", "keep_spans")
 # Server-side media a multimodal model expands into its own tokens; not combined with spans.
 MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
+SPAN_TYPE = "embeds"  # a span segment's type, and the field holding its tensor
 
 
 def max_span_bytes() -> int:
@@ -36,28 +39,28 @@ def has_span_fields(body: dict) -> bool:
     return body.get("input_segments") is not None or body.get("input_embeds") is not None
 
 
-def keep_spans(body: dict, store: SpanStore | None) -> bool:
-    """Whether the request asks to keep its inline spans (``"keep_spans": true``)."""
-    keep = body.get("keep_spans", False)
-    if not isinstance(keep, bool):
-        raise ValueError(f"keep_spans must be true or false, got {keep!r}")
-    if keep and store is None:
-        raise ValueError("keep_spans is accepted only by the HTTP server (it keeps spans by handle)")
-    return keep
+def wants_held(body: dict, store: SpanStore | None) -> bool:
+    """Whether the request asks the server to hold its inline spans (``"keep_spans": true``)."""
+    hold = body.get("keep_spans", False)
+    if not isinstance(hold, bool):
+        raise ValueError(f"keep_spans must be true or false, got {hold!r}")
+    if hold and store is None:
+        raise ValueError("keep_spans is accepted only by the HTTP server (it holds spans by handle)")
+    return hold
 
 
-def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None,
-                keep: bool = False) -> Embeds:
-    """A wire tensor (kept in ``store`` if ``keep``), or ``{"handle": ...}`` looked up there."""
+def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, hold: bool = False) -> Span:
+    """A wire tensor (held in ``store`` if ``hold``), or ``{"handle": ...}`` looked up there; the
+    span with its row digests and content key (``keys.keyed``)."""
     if isinstance(obj, dict) and "handle" in obj:
         if store is None:
             raise wire.WireError("span handles are accepted only by the HTTP server")
         if len(obj) != 1:
             raise wire.WireError('a span handle is {"handle": "span-..."} with no other keys')
-        return dataclasses.replace(store.get(obj["handle"]))  # a copy: the parser sets its grid
+        return store.get(obj["handle"])
     t = wire.decode_tensor(obj, max_bytes)
-    digests = finite_row_digests(t)  # its values checked in the read that hashes its rows
-    return dataclasses.replace(store.put(t, digests)) if keep else Embeds(t, row_digests=digests)
+    span = keyed(Span(t, row_digests=finite_row_digests(t)))  # values checked in the read that hashes the rows
+    return store.put(span) if hold else span
 
 
 def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:
@@ -69,13 +72,38 @@ def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:
         raise wire.WireError(f"{where}{e}") from None
 
 
+class SpanReader:
+    """Reads the spans of one prompt, wherever they stand (a segment list, a chat message's
+    content parts, a whole-prompt ``input_embeds``): the one span decoder of every route. One
+    budget of decoded float32 bytes for all of the prompt's spans, the store for handles, and
+    whether to hold the inline ones."""
+
+    def __init__(self, max_bytes: int = wire.MAX_SPAN_BYTES, store: SpanStore | None = None,
+                 hold: bool = False) -> None:
+        self.bytes_left, self.store, self.hold = max_bytes, store, hold
+
+    def read(self, value: Any, where: str = "", grid: Any = None) -> Span:
+        """The span of the wire value ``value`` with the grid ``grid`` (as sent; None for a plain
+        span); a ``WireError`` that names ``where``, except ``UnknownSpanHandle`` (a client
+        resends the span inline on it, whatever its place)."""
+        try:
+            span = decode_span(value, self.bytes_left, self.store, self.hold)
+        except UnknownSpanHandle:
+            raise
+        except wire.WireError as e:
+            raise wire.WireError(f"{where}{e}") from None
+        self.bytes_left -= span.rows.numel() * 4
+        grid = image_grid_thw(grid, where)
+        return span if grid is None else dataclasses.replace(span, image_grid_thw=grid)
+
+
 def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,
-                       store: SpanStore | None = None, keep: bool = False) -> list[Segment]:
+                       store: SpanStore | None = None, hold: bool = False) -> list[Segment]:
     """Parse and validate a wire segment list (tensors decoded, shapes not yet model-checked)."""
     if not isinstance(items, list) or not items:
         raise wire.WireError("input_segments must be a non-empty list of segment objects")
     out: list[Segment] = []
-    budget = max_bytes
+    reader = SpanReader(max_bytes, store, hold)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise wire.WireError(f"segment {i} must be an object, got {type(item).__name__}")
@@ -91,18 +119,10 @@ def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,
             ):
                 raise wire.WireError(f"segment {i}: 'input_ids' must be a list of non-negative ints")
             out.append(Ids(ids))
-        elif kind == "embeds":
-            if "embeds" not in item:
+        elif kind == SPAN_TYPE:
+            if SPAN_TYPE not in item:
                 raise wire.WireError(f"segment {i}: an embeds segment needs an 'embeds' field")
-            try:
-                span = decode_span(item["embeds"], budget, store, keep)
-            except UnknownSpanHandle:
-                raise
-            except wire.WireError as e:
-                raise wire.WireError(f"segment {i}: {e}") from None
-            budget -= span.tensor.numel() * 4
-            span.image_grid_thw = image_grid_thw(item.get("image_grid_thw"), f"segment {i}: ")
-            out.append(span)
+            out.append(reader.read(item[SPAN_TYPE], f"segment {i}: ", item.get("image_grid_thw")))
         else:
             raise wire.WireError(f"segment {i}: unknown type {kind!r} "
                                  "(use text, input_ids or embeds)")
@@ -134,13 +154,13 @@ def parse_prompts(body: dict, max_bytes: int,
             raise ValueError(f"span prompts cannot be combined with {media}: encode the media into "
                              "a span client-side (sgl.image / sgl.region with a vision encoder) "
                              "instead")
-    keep = keep_spans(body, store)
+    hold = wants_held(body, store)
     if body.get("input_segments") is not None:
         items = body["input_segments"]
         if isinstance(items, list) and items and isinstance(items[0], list):
-            return [segments_from_wire(p, max_bytes, store, keep) for p in items], True
-        return [segments_from_wire(items, max_bytes, store, keep)], False
+            return [segments_from_wire(p, max_bytes, store, hold) for p in items], True
+        return [segments_from_wire(items, max_bytes, store, hold)], False
     embeds = body["input_embeds"]
     if wire.is_tensor_batch(embeds):
-        return [[decode_span(e, max_bytes, store, keep)] for e in embeds], True
-    return [[decode_span(embeds, max_bytes, store, keep)]], False
+        return [[SpanReader(max_bytes, store, hold).read(e)] for e in embeds], True
+    return [[SpanReader(max_bytes, store, hold).read(embeds)]], False

@@ -27,30 +27,30 @@ def is_placeholder(token_id: int) -> bool:
     return token_id >= PLACEHOLDER_BASE
 
 
-def remembered_ids(key: str, n_rows: int) -> list[int] | None:
-    """The placeholder ids remembered for the span of content key ``key`` (None if none are)."""
-    kept = _KEPT.get(key)
-    return kept.tolist() if kept is not None and kept.shape[0] == n_rows else None
+def held_ids(content_key: str, n_rows: int) -> list[int] | None:
+    """The placeholder ids held for the span of content key ``content_key`` (None if none are)."""
+    held = _HELD_IDS.get(content_key)
+    return held.tolist() if held is not None and held.shape[0] == n_rows else None
 
 
-def placeholder_ids(rows: torch.Tensor, key: str | None = None,
+def placeholder_ids(rows: torch.Tensor, content_key: str | None = None,
                     digests: bytes | None = None) -> list[int]:
     """Placeholder ids of a span's rows: in the model's dtype, or in a dtype whose cast to it is
     exact (``prompts.EXACT_CASTS``).
-    ``key``: the span's content key (``keys.span_handle`` of its rows as sent; its handle when
-    the server keeps it): the ids are then remembered under it.
+    ``content_key``: the span's (``keys.content_key`` of its rows as sent): the ids are then held
+    under it.
     ``digests``: ``keys.row_digests(rows)`` when the caller has them."""
-    if key is not None:
-        kept = remembered_ids(key, rows.shape[0])
-        if kept is not None:
-            return kept
+    if content_key is not None:
+        held = held_ids(content_key, rows.shape[0])
+        if held is not None:
+            return held
     first_words = np.frombuffer(row_digests(rows) if digests is None else digests, dtype="<u8")
     ids = first_words[:: ROW_DIGEST_BYTES // 8] & np.uint64(PLACEHOLDER_BASE - 1)
     ids |= np.uint64(PLACEHOLDER_BASE)
-    if key is not None:
-        _KEPT.put(key, torch.from_numpy(ids.astype(np.int64)))
+    if content_key is not None:
+        _HELD_IDS.put(content_key, torch.from_numpy(ids.astype(np.int64)))
     return ids.tolist()
 
 
-# A server has one model dtype, so a key's rows always become the same ids.
-_KEPT: LRU[torch.Tensor] = LRU(64 << 20, nbytes)  # int64 ids: 8M rows
+# A server has one model dtype, so a content key's rows always become the same ids.
+_HELD_IDS: LRU[torch.Tensor] = LRU(64 << 20, nbytes)  # int64 ids: 8M rows

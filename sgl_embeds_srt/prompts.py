@@ -20,12 +20,12 @@ import torch
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
-from sgl_embeds_srt.keys import row_digests, span_handle
-from sgl_embeds_srt.parse import SPAN_FIELDS, max_span_bytes, parse_prompts
+from sgl_embeds_srt.keys import keyed
+from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
-from sgl_embeds_srt.segments import Embeds, Ids, Segment, Text
+from sgl_embeds_srt.segments import Span, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.prompt_rows import PromptRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +49,13 @@ class ModelSpec:
 def build_ids(segments: list[Segment], spec: ModelSpec,
               specials_first: bool = True) -> tuple[list[int], PromptRows | None]:
     """Token ids (placeholders at span rows) and the span rows at their positions
-    (``transport.PromptRows``; None without spans). On an M-RoPE VLM every span is an image
+    (``prompt_rows.PromptRows``; None without spans). On an M-RoPE VLM every span is an image
     (``image_spans.py``): the image token at its rows, and its item in ``PromptRows.images``.
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
     ids: list[int] = []
     rows_per_span: list[torch.Tensor] = []
-    span_keys: list[str] = []  # content keys of the spans' rows (transport.py)
+    content_keys: list[str] = []  # of the spans' rows as sent (transport.py)
     positions: list[int] = []
     images: list[ImageSpan] = []
     for i, s in enumerate(segments):
@@ -70,25 +70,25 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
             # Values were checked when the span was decoded (or uploaded); here only the width,
             # and finiteness again only if the cast to the model's dtype can overflow.
             try:
-                wire.check_shape(s.tensor, spec.hidden_size)
+                wire.check_shape(s.rows, spec.hidden_size)
             except wire.WireError as e:
                 raise wire.WireError(f"segment {i}: {e}") from None
-            check_image_span(s.image_grid_thw, s.tensor.shape[0], spec.vision,
+            check_image_span(s.image_grid_thw, s.rows.shape[0], spec.vision,
                              ids[-1] if ids else None, f"segment {i}: ")
-            # the span's content key: its handle, or the same hash of its rows as sent (whose row
-            # digests give its ids too, unless the rows must be cast)
-            sent_digests = s.row_digests if s.row_digests is not None else row_digests(s.tensor)
-            key = s.handle or span_handle(s.tensor, sent_digests)
+            # the content key and row digests of the rows as sent (set where the server decoded
+            # the span; computed here for an in-process caller's spans): the digests give the
+            # placeholder ids too, unless the rows must be cast
+            s = keyed(s)
             if spec.vision is None:
-                t, span_ids = _rows_and_ids(s, key, sent_digests, spec, i)
+                t, span_ids = _rows_and_ids(s, spec, i)
                 ids.extend(span_ids)
             else:
                 t = _cast(s, spec, i)
-                images.append(ImageSpan(key, s.image_grid_thw, len(ids), t.shape[0]))
+                images.append(ImageSpan(s.content_key, s.image_grid_thw, len(ids), t.shape[0]))
                 ids.extend([spec.vision.image_token_id] * t.shape[0])
             positions.extend(range(len(ids) - t.shape[0], len(ids)))
             rows_per_span.append(t)
-            span_keys.append(key)
+            content_keys.append(s.content_key)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
     if len(ids) >= spec.context_len:
@@ -96,7 +96,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                          f"the model's context length of {spec.context_len}")
     if not rows_per_span:
         return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, span_keys, positions)
+    prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows
@@ -108,24 +108,23 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
 EXACT_CASTS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 
 
-def _cast(s: Embeds, spec: ModelSpec, i: int) -> torch.Tensor:
+def _cast(s: Span, spec: ModelSpec, i: int) -> torch.Tensor:
     """A span's rows in the model's dtype; a cast that overflows it is the client's error."""
-    t = s.tensor.to(spec.dtype)
-    if t.dtype != s.tensor.dtype and wire.first_non_finite_row(t) is not None:
+    t = s.rows.to(spec.dtype)
+    if t.dtype != s.rows.dtype and wire.first_non_finite_row(t) is not None:
         raise ValueError(f"segment {i}: embeddings overflow the model's dtype {spec.dtype}")
     return t
 
 
-def _rows_and_ids(s: Embeds, key: str, sent_digests: bytes, spec: ModelSpec,
-                  i: int) -> tuple[torch.Tensor, list[int]]:
-    """A span's rows for ``PromptRows`` and its placeholder ids (remembered under ``key``).
-    ``sent_digests``: the row digests of the rows as sent. Rows in the model's dtype, or in one
-    whose cast to it is exact, are not cast here: no copy of (up to) twice their bytes, and their
-    ids come from the digests already made, so the HTTP process reads the bytes once."""
-    if s.tensor.dtype == spec.dtype or (s.tensor.dtype, spec.dtype) in EXACT_CASTS:
-        return s.tensor, placeholder_ids(s.tensor, key, sent_digests)
+def _rows_and_ids(s: Span, spec: ModelSpec, i: int) -> tuple[torch.Tensor, list[int]]:
+    """A keyed span's rows for ``PromptRows`` and its placeholder ids (held under its content
+    key). Rows in the model's dtype, or in one whose cast to it is exact, are not cast here: no
+    copy of (up to) twice their bytes, and their ids come from the row digests already made, so
+    the HTTP process reads the bytes once."""
+    if s.rows.dtype == spec.dtype or (s.rows.dtype, spec.dtype) in EXACT_CASTS:
+        return s.rows, placeholder_ids(s.rows, s.content_key, s.row_digests)
     t = _cast(s, spec, i)
-    return t, placeholder_ids(t, key)
+    return t, placeholder_ids(t, s.content_key)
 
 
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:
@@ -134,7 +133,7 @@ def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = No
     prompts, is_batch = parse_prompts(body, max_span_bytes(), store)
     built = [build_ids(p, spec) for p in prompts]
     # text: a routing hint
-    out = {k: v for k, v in body.items() if k not in SPAN_FIELDS and k != "text"}
+    out = {k: v for k, v in body.items() if k not in REQUEST_SPAN_FIELDS and k != "text"}
     if is_batch:
         out["input_ids"] = [ids for ids, _ in built]
         per_prompt = [prompt_rows for _, prompt_rows in built]

@@ -4,8 +4,8 @@ Stock SGLang treats any ``positional_embed_overrides`` as uncacheable (the same 
 different vectors). Ours cannot collide: every overridden position holds a placeholder id that is
 a content hash of its row, so the ids alone determine the KV and the cache can stay on. A request
 counts as ours only when *all* its override positions hold placeholder ids: ``req_init`` checks
-that once and records it on the request's own carrier (``transport.PromptRows.checked``); any
-other overrides keep stock behaviour.
+that once and marks the request's overrides (``prompt_rows.SpanPromptRows``); any other
+overrides keep stock behaviour.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from typing import Any, Callable
 
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
 from sgl_embeds_srt.token_ids import first_bad_position
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.prompt_rows import SpanPromptRows
 
 
 def is_span_prompt(req: Any) -> bool:
-    prompt_rows = req.positional_embed_overrides
-    return isinstance(prompt_rows, PromptRows) and prompt_rows.span_prompt
+    return isinstance(req.positional_embed_overrides, SpanPromptRows)
 
 
 def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -31,7 +30,7 @@ def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
         self.positional_embed_overrides = None  # so its placeholders abort it below
     elif overrides is not None and overrides.positions and all(
             is_placeholder(self.origin_input_ids[p]) for p in overrides.positions):
-        self.positional_embed_overrides = PromptRows.checked(overrides)
+        self.positional_embed_overrides = SpanPromptRows.of(overrides)
         # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
         from sglang.srt.managers import schedule_batch  # SGLang not ready at plugin load
 
@@ -57,7 +56,13 @@ def abort_unlookupable(req: Any) -> bool:
 
 
 def req_init_next_round_input(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """Match span prompts against the radix cache: hide the overrides from the stock opt-out."""
+    """Match span prompts against the radix cache: hide the overrides from the stock opt-out.
+
+    SGLang 0.5.23's ``Req.init_next_round_input`` turns prefix matching off with a bare
+    ``if self.positional_embed_overrides is not None`` and has no flag or hook for it; the method
+    reads the overrides nowhere else, and the scheduler runs it on one thread. Hiding them for
+    this one call is the only way short of copying the method (the guard
+    ``targets.REQ_NEXT_ROUND_INPUT`` fails the launch if that code changes)."""
     if not is_span_prompt(self):
         return original(self, *args, **kwargs)
     prompt_rows = self.positional_embed_overrides

@@ -1,12 +1,12 @@
 """The prompt model, shared by both sides of the wire: segments and span markers.
 
 A prompt is a list of segments: ``Text`` (tokenized by the server like a plain prompt), ``Ids``
-(token ids, used as they are) and ``Embeds`` (an ``[n, hidden]`` span of embedding rows). On the
+(token ids, used as they are) and ``Span`` (an ``[n, hidden]`` span of embedding rows). On the
 wire each is a JSON object (``{"type": "text" | "input_ids" | "embeds", ...}``; tensors as in
 ``wire.py``): the client writes them (``backend.py``), the server reads them (``srt/parse.py``).
 
 Where a span stands inside text (program text on the client, a rendered chat on the server) it is
-a *marker*: Unicode private-use characters around a key into a table of tensors;
+a *marker*: Unicode private-use characters around an index into a table of spans;
 ``split_at_markers`` turns such text back into segments.
 """
 
@@ -32,23 +32,31 @@ class Ids:
     ids: list[int]
 
 
-@dataclass
-class Embeds:
-    tensor: torch.Tensor  # [n, hidden]
-    handle: str | None = None  # set on the server when it keeps these rows (handles.py)
+@dataclass(frozen=True)
+class Span:
+    """A span: ``[n, hidden]`` embedding rows at ``n`` consecutive prompt positions. Frozen: what
+    the server learns of it (its content key, its row digests) makes a new ``Span``
+    (``dataclasses.replace``), and the grid is checked here, where it enters."""
+
+    rows: torch.Tensor  # [n, hidden]
+    # keys.content_key of the rows as sent: set where the server decodes or holds them
+    content_key: str | None = None
     row_digests: bytes | None = None  # keys.row_digests of the rows, set where the server decodes them
     # an image's patch grid [t, h, w] before the spatial merge, on M-RoPE VLMs (image_spans.py)
     image_grid_thw: tuple[int, int, int] | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image_grid_thw", image_grid(self.image_grid_thw))
+
     def __len__(self) -> int:
-        return self.tensor.shape[0]
+        return self.rows.shape[0]
 
 
-Segment = Union[Text, Ids, Embeds]
+Segment = Union[Text, Ids, Span]
 
 
 def image_grid(value: object) -> tuple[int, int, int] | None:
-    """An ``Embeds.image_grid_thw`` as given (None when absent): ``[t, h, w]`` of positive ints,
+    """A ``Span.image_grid_thw`` as given (None when absent): ``[t, h, w]`` of positive ints,
     else ``ValueError``; whether it fits the rows and the model is the server's check."""
     if value is None:
         return None
@@ -74,25 +82,25 @@ class Prompt:
         self.segments.append(seg)
 
 
-def marker(key: int) -> str:
-    return f"{MARK_OPEN}{key}{MARK_CLOSE}"
+def marker(index: int) -> str:
+    return f"{MARK_OPEN}{index}{MARK_CLOSE}"
 
 
 def has_markers(text: str) -> bool:
     return MARK_OPEN in text
 
 
-def split_at_markers(text: str, table: dict[int, torch.Tensor | Embeds]) -> Prompt:
+def split_at_markers(text: str, table: dict[int, torch.Tensor | Span]) -> Prompt:
     """Text with span markers -> a prompt of text and span segments (empty text dropped)."""
     prompt = Prompt()
     pos = 0
     for m in _MARKER.finditer(text):
         prompt.append(Text(text[pos : m.start()]))
-        key = int(m.group(1))
-        if key not in table:
-            raise ValueError(f"span marker {key} has no tensor")
-        span = table[key]
-        prompt.append(span if isinstance(span, Embeds) else Embeds(span))
+        index = int(m.group(1))
+        if index not in table:
+            raise ValueError(f"span marker {index} has no tensor")
+        span = table[index]
+        prompt.append(span if isinstance(span, Span) else Span(span))
         pos = m.end()
     prompt.append(Text(text[pos:]))
     return prompt

@@ -100,7 +100,7 @@ PATCHED: dict[str, Guard] = {
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),
     # every stock RuntimeEndpoint call posts its /generate body with this module function
-    # (backend.post_stock_body wraps it: the inline resend of a refused handle)
+    # (sender.post_stock_body wraps it: the inline resend of a refused handle)
     STOCK_POST: client("urllib.request.urlopen", "stream", fp="c1368192ee6d1920"),
 }
 RELIED_ON: dict[str, Guard] = {
@@ -187,7 +187,7 @@ RELIED_ON: dict[str, Guard] = {
     f"{_RE}.fill_image": client("self._add_images(s, data)", "http_request(", fp="a1556b4adaa0c6e8"),
     f"{_RE}._generate_http_request": client("self._add_images(s, data)", "http_request(", fp="ee6d0389ab2c231a"),
     f"{_RE}.select": client("_generate_http_request", "input_token_logprobs", fp="af9fc1f68cec5094"),
-    # a binary body is posted over http.client (backend._post_bytes) and answered with this
+    # a binary body is posted over http.client (sender._post_bytes) and answered with this
     # wrapper, as http_request answers JSON: the stock calls read its json() and status_code
     "sglang.utils.HttpResponse": client("def json", "status_code", "self.resp.read()", fp="953bd588519c3327"),
     f"{_RE}._assert_success": client("raise RuntimeError(content)", fp="de80c54851f784db"),

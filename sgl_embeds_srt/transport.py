@@ -5,20 +5,18 @@ of the demo model that is 9.4 MB, pickled, copied and unpickled each time, thoug
 again is the same rows and its positions are usually all in the radix cache. Here every span
 has a content key, and its rows cross once per scheduler while the scheduler holds them:
 
-* HTTP side: ``prompts.build_ids`` makes ``PromptRows`` (SGLang's ``PositionalEmbeds`` plus one
-  ``SpanPart`` per span: its key and row count). The key is the span's handle when the server
-  keeps it (``handles.SpanStore``), else the same hash (``keys.span_handle``) of its rows as
-  sent, under which its placeholder ids are remembered (``prompts.build_ids``): a span sent
-  inline again, by any client, is the same key. ``RowsTransport`` wraps SGLang's own
-  dispatch transport (``TokenizerManager.positional_embeds_transport``); just before a request is
-  sent it leaves out the rows of every span the scheduler holds from it, and notes the spans
-  whose rows cross now.
+* HTTP side: ``prompts.build_ids`` makes ``prompt_rows.PromptRows`` (one ``SpanRows`` per span:
+  the content key of its rows as sent, ``keys.content_key``, and its row count): a span sent
+  inline again, by any client, or by handle, has the same content key. ``RowsTransport`` wraps
+  SGLang's own dispatch transport (``TokenizerManager.positional_embeds_transport``); just before
+  a request is sent it turns its ``PromptRows`` into ``CrossingRows``, leaving out the rows of
+  every span the scheduler holds from it, and notes the spans whose rows are sent now.
   Rows cross in the dtype they were sent in when its cast to the model's is exact
   (``prompts.EXACT_CASTS``; bfloat16 rows to a float32 model cross as half the bytes): SGLang's
   model runner casts the override rows it runs, and the scheduler holds them as they came.
 * Scheduler side: SGLang calls ``reconstruct`` on every request's overrides first thing when it
-  arrives (``Scheduler.process_input_requests``); ``PromptRows.reconstruct`` keeps the rows that
-  crossed and puts back the ones that did not cross.
+  arrives (``Scheduler.process_input_requests``); ``CrossingRows.reconstruct`` holds the rows that
+  were sent and puts back the ones that were not.
 
 Both ends stay in step because requests from one HTTP process reach the scheduler in the order
 they were sent, over one socket. The HTTP side bounds what the scheduler holds from it (an LRU of
@@ -35,7 +33,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -45,63 +43,40 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt.handles import budget_bytes
 from sgl_embeds_srt.keys import raw_bytes
-from sgl_embeds_srt.lru import LRU, kept_rows, nbytes
+from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
+from sgl_embeds_srt.prompt_rows import PromptRows
 
 
 @dataclass(frozen=True)
-class SpanPart:
-    """One span of a prompt's rows: its content key (None: never held), its row count, and
-    whether its rows cross to the scheduler in this message (False: the scheduler holds them)."""
+class CrossingSpan:
+    """One span of a prompt's rows on the trip: its content key (None: never held), its row
+    count, and whether its rows are sent in this message (False: the scheduler holds them)."""
 
-    key: str | None
+    content_key: str | None
     n_rows: int
-    crosses: bool = True
+    sent: bool = True
 
 
-class PromptRows(PositionalEmbeds, array_like=True):
-    """The span rows of one prompt at their positions: SGLang's ``PositionalEmbeds`` whose rows
-    are a sequence of spans, one ``SpanPart`` each, in prompt order.
+class CrossingRows(PositionalEmbeds, array_like=True):
+    """A prompt's rows as they cross to the scheduler: SGLang's ``PositionalEmbeds`` whose rows
+    are a sequence of spans, one ``CrossingSpan`` each, in prompt order; ``embeds`` holds the rows
+    of the spans sent, back to back. ``sender`` names the HTTP process and ``released`` lists the
+    content keys it no longer holds. In the scheduler, ``reconstruct`` puts back the held rows;
+    ``missing`` is set, and ``embeds`` is None, when the scheduler does not hold a span it was
+    told it holds."""
 
-    ``embeds`` holds the rows of the spans that cross, back to back. On the trip ``sender``
-    names the HTTP process and ``released`` lists the keys it no longer holds; ``missing`` is set,
-    and ``embeds`` is None, when the scheduler does not hold a span it was told it holds.
-    ``span_prompt``: set only by the scheduler (``checked``), once every position is known to
-    hold a placeholder id; that copy has no span records (its rows are all here)."""
-
-    spans: list[SpanPart] = []
+    spans: list[CrossingSpan] = []
     sender: str = ""
     released: list[str] = []
     missing: str = ""
-    span_prompt: bool = False
-    # HTTP side only: the image items of an M-RoPE VLM's prompt (image_spans.py), which go to the
-    # scheduler as SGLang's own multimodal inputs, never in this object (_for_wire drops them)
-    images: object = None
 
     def __post_init__(self) -> None:
-        if all(s.crosses for s in self.spans):  # PositionalEmbeds' check, once all rows are here
+        if all(s.sent for s in self.spans):  # PositionalEmbeds' check, once all rows are here
             super().__post_init__()
 
     def reconstruct(self, target_device: int) -> None:
-        if self.sender:
-            _SCHEDULER_ROWS.restore(self)
+        _SCHEDULER_ROWS.restore(self)
         super().reconstruct(target_device)
-
-    @classmethod
-    def from_spans(cls, rows_per_span: list[torch.Tensor], span_keys: list[str | None],
-                   positions: list[int]) -> PromptRows:
-        """A prompt's spans (rows, content keys) in prompt order."""
-        # one span: its rows as they are (a kept span's rows are not copied). Spans of several
-        # dtypes occur on a float32 model only (prompts.EXACT_CASTS): torch.cat promotes to it
-        embeds = rows_per_span[0] if len(rows_per_span) == 1 else torch.cat(rows_per_span)
-        spans = [SpanPart(key, rows.shape[0]) for rows, key in zip(rows_per_span, span_keys)]
-        return cls(embeds, positions, spans=spans)
-
-    @classmethod
-    def checked(cls, overrides: PositionalEmbeds) -> PromptRows:
-        """Scheduler side: a request's overrides (ours or SGLang's own) as a span prompt's, once
-        every position was checked to hold a placeholder id. A new object: requests may share
-        one, and only this request's ids were checked."""
-        return cls(overrides.embeds, overrides.positions, span_prompt=True)
 
 
 class RowsOnTheWire:
@@ -135,44 +110,43 @@ class SchedulerRows:
 
     def __init__(self) -> None:
         self._rows: dict[str, torch.Tensor] = {}
-        self._keepers: dict[str, set[str]] = {}
+        self._holders: dict[str, set[str]] = {}
 
-    def restore(self, prompt_rows: PromptRows) -> None:
-        """Put the held rows back into ``prompt_rows`` (in place), keep the rows that crossed with
-        a key, then let go what the sender let go (after: it may have let go a span this
-        request uses)."""
-        n_crossed = sum(s.crosses for s in prompt_rows.spans)
+    def restore(self, crossing: CrossingRows) -> None:
+        """Put the held rows back into ``crossing`` (in place), hold the rows sent with a content
+        key, then let go what the sender let go (after: it may have let go a span this request
+        uses)."""
+        n_sent = sum(s.sent for s in crossing.spans)
         parts, offset = [], 0
-        for span in prompt_rows.spans:
-            if span.crosses:
-                rows = (prompt_rows.embeds if n_crossed == 1
-                        else prompt_rows.embeds[offset:offset + span.n_rows])
+        for span in crossing.spans:
+            if span.sent:
+                rows = crossing.embeds if n_sent == 1 else crossing.embeds[offset:offset + span.n_rows]
                 offset += span.n_rows
-                if span.key is not None:
-                    self._keep(prompt_rows.sender, span.key, rows)
+                if span.content_key is not None:
+                    self._hold(crossing.sender, span.content_key, rows)
             else:
-                rows = self._rows.get(span.key)
+                rows = self._rows.get(span.content_key)
                 if rows is None or rows.shape[0] != span.n_rows:
-                    prompt_rows.embeds, prompt_rows.missing = None, span.key
+                    crossing.embeds, crossing.missing = None, span.content_key
                     break
             parts.append(rows)
         else:
-            prompt_rows.embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
-        for key in prompt_rows.released:
-            self._release(prompt_rows.sender, key)
+            crossing.embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for content_key in crossing.released:
+            self._release(crossing.sender, content_key)
 
-    def _keep(self, sender: str, key: str, rows: torch.Tensor) -> None:
-        if key not in self._rows:
-            self._rows[key] = kept_rows(rows)  # a copy where it shares a message's rows
-        self._keepers.setdefault(key, set()).add(sender)
+    def _hold(self, sender: str, content_key: str, rows: torch.Tensor) -> None:
+        if content_key not in self._rows:
+            self._rows[content_key] = rows_to_hold(rows)  # a copy where it shares a message's rows
+        self._holders.setdefault(content_key, set()).add(sender)
 
-    def _release(self, sender: str, key: str) -> None:
-        keepers = self._keepers.get(key)
-        if keepers is None:
+    def _release(self, sender: str, content_key: str) -> None:
+        holders = self._holders.get(content_key)
+        if holders is None:
             return
-        keepers.discard(sender)
-        if not keepers:
-            del self._keepers[key], self._rows[key]
+        holders.discard(sender)
+        if not holders:
+            del self._holders[content_key], self._rows[content_key]
 
     def sizes(self) -> tuple[int, int]:
         """(spans, bytes) held."""
@@ -197,23 +171,23 @@ class _Prepared:
 
 
 class RowsTransport:
-    """HTTP side: wraps SGLang's ``PositionalEmbedsTransport``; a kept span's rows cross once.
+    """HTTP side: wraps SGLang's ``PositionalEmbedsTransport``; a held span's rows cross once.
 
     The tokenizer manager calls ``prepare_for_dispatch`` right before a send (no await between)
     and ``cancel_for_dispatch`` if the send failed. Which spans the scheduler holds from this
     process is an LRU bounded like the handle store (``SGL_EMBEDS_HANDLE_BYTES``): what it lets
-    go, the scheduler lets go too, so the scheduler never keeps more than that per HTTP process."""
+    go, the scheduler lets go too, so the scheduler never holds more than that per HTTP process."""
 
     def __init__(self, stock: Any, on: bool, budget: int) -> None:
         self.stock = stock
         self.on = on
         self.sender = f"{os.getpid()}-{secrets.token_hex(4)}"
-        # key -> bytes the scheduler holds; one span over the budget is still held (alone)
+        # content key -> bytes the scheduler holds; one span over the budget is still held (alone)
         self._held: LRU[int] = LRU(budget, lambda size: size, keep_oversized=True,
                                    on_evict=lambda key, size: self._released.append(key))
         self._released: list[str] = []  # for the scheduler, on the next send
         self._lock = threading.Lock()
-        self.rows_crossed = self.rows_left_out = 0  # span rows of dispatched requests
+        self.rows_sent = self.rows_left_out = 0  # span rows of dispatched requests
 
     @property
     def budget(self) -> int:
@@ -226,9 +200,9 @@ class RowsTransport:
                 self._released.append(handle)
 
     def stats(self) -> dict:
-        with self._lock:  # "rows_sent": the wire name of rows_crossed in /sgl_embeds/info
+        with self._lock:
             held_spans, held_bytes = self._held.sizes()
-            return {"on": self.on, "rows_sent": self.rows_crossed,
+            return {"on": self.on, "rows_sent": self.rows_sent,
                     "rows_left_out": self.rows_left_out, "held_spans": held_spans,
                     "held_bytes": held_bytes, "budget": self.budget}
 
@@ -249,16 +223,16 @@ class RowsTransport:
         for p in prepared:
             with self._lock:
                 for newly_held, released in p.changes:
-                    for key in newly_held:
-                        self._held.pop(key)
+                    for content_key in newly_held:
+                        self._held.pop(content_key)
                     self._released[:0] = released + newly_held
             self.stock.cancel_for_dispatch(p.stock)
 
     def _for_wire(self, prompt_rows: PromptRows
                   ) -> tuple[PositionalEmbeds, tuple[list[str], list[str]]]:
         """A new object (requests may share one): rows of spans the scheduler holds left out."""
-        if not self.on or not any(s.key for s in prompt_rows.spans):
-            self.rows_crossed += len(prompt_rows.positions)
+        if not self.on or not any(s.content_key for s in prompt_rows.spans):
+            self.rows_sent += len(prompt_rows.positions)
             rows = RowsOnTheWire.wrap(prompt_rows.embeds)
             return PositionalEmbeds(rows, prompt_rows.positions), ([], [])
         crossing, spans, newly_held, offset = [], [], [], 0
@@ -266,26 +240,26 @@ class RowsTransport:
             rows = prompt_rows.embeds[offset:offset + span.n_rows]
             offset += span.n_rows
             # get(): a held span becomes the most recently used
-            crosses = span.key is None or self._held.get(span.key) is None
-            if crosses:
+            sent = span.content_key is None or self._held.get(span.content_key) is None
+            if sent:
                 crossing.append(rows)
-                self.rows_crossed += span.n_rows
-                if span.key is not None:
-                    self._held.put(span.key, nbytes(rows))  # may let go older spans
-                    newly_held.append(span.key)
+                self.rows_sent += span.n_rows
+                if span.content_key is not None:
+                    self._held.put(span.content_key, nbytes(rows))  # may let go older spans
+                    newly_held.append(span.content_key)
             else:
                 self.rows_left_out += span.n_rows
-            spans.append(replace(span, crosses=crosses))
+            spans.append(CrossingSpan(span.content_key, span.n_rows, sent))
         # a span let go and crossing again is held again: not released (the scheduler releases
         # after use)
         released = [h for h in self._released if h not in self._held]
         self._released = []
         # a new tensor of the rows that cross (pickling a view would send the whole storage)
-        embeds = (prompt_rows.embeds if all(s.crosses for s in spans)
+        embeds = (prompt_rows.embeds if all(s.sent for s in spans)
                   else torch.cat(crossing) if crossing else None)
         embeds = None if embeds is None else RowsOnTheWire.wrap(embeds)
-        return PromptRows(embeds, prompt_rows.positions, spans=spans, sender=self.sender,
-                          released=released), (newly_held, released)
+        return CrossingRows(embeds, prompt_rows.positions, spans=spans, sender=self.sender,
+                            released=released), (newly_held, released)
 
 
 _TRANSPORTS: list[RowsTransport] = []  # this process's (one per tokenizer manager)

@@ -63,7 +63,7 @@ def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
 
 def as_wire_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> torch.Tensor:
     """The tensor a server decodes from ``encode_tensor(x, fmt, dtype)``: CPU, contiguous, in the
-    wire dtype (float32 for JSON). Its handle (``keys.span_handle``) is the server's."""
+    wire dtype (float32 for JSON). Its handle (``keys.content_key``) is the server's."""
     t = as_2d_tensor(x)
     if fmt == "json":
         return t.detach().to("cpu", torch.float32).contiguous()

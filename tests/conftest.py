@@ -4,8 +4,13 @@ Shared servers live in one session pool (``servers``): each starts when a test f
 those a test needs together start together, at most ``MAX_RUNNING`` run at once (the least
 recently used stop to make room, and restart on the same port when needed again), and all stop
 together at the end, by their own pids. Before each test, the pooled servers its fixtures name
-(``<name>_server``, ``gateway``) are made to run. Tests that use a server are marked ``server``;
-the quick edit-test loop is ``pytest -m "not server"``.
+(``<name>_server``, ``gateway``) are made to run. Tests live in folders by what they need
+(``unit/``: no server; ``server/``: a real SGLang server; ``vlm/``: the vision model families, with
+or without one; ``examples/``: the tutorials). Tests that use a server, and every test under
+``server/``, are marked ``server``; the quick edit-test loop is ``pytest -m "not server"``. Shared
+test code lives beside this file: ``helpers.py`` (request builders, HF references),
+``fake_server.py`` (a fake plugin worker over HTTP), ``strategies.py`` (the fuzzers' strategies),
+``llava_harness.py`` (the LLaVA families against their servers), ``engine_probe.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def qwen_dir():
 
 def _qwen_with_events() -> Server:
     """Also publishes metrics and radix-cache events (ZMQ on loopback, ``kv_events_port``):
-    tests/test_compat_metrics.py reads them."""
+    tests/server/test_compat_metrics.py reads them."""
     port = free_port()
     events = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:%d", "bind": true, "topic": "kv"}' % port
     server = Server(tiny_model_dir("qwen2"), extra_args=["--enable-metrics", "--enable-cache-report", "--kv-events-config", events])
@@ -88,7 +93,7 @@ def servers(llava_dirs, pytestconfig):
     """The session's pool of servers by name (``servers.get(*names)``)."""
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
-        # allowed whitespace until max_new_tokens (tests/test_compat_constrained.py)
+        # allowed whitespace until max_new_tokens (tests/server/test_compat_constrained.py)
         "llama": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report", "--constrained-json-disable-any-whitespace"]),
         "qwen": _qwen_with_events,
         "constrained": lambda: Server(tiny_model_dir("llama"), extra_args=CONSTRAINED_ARGS),
@@ -155,30 +160,70 @@ def llava_qwen(llava_dirs):
 
 
 def _pooled_names(item) -> list[str]:
+    """The pool's servers a test asks for: by fixture (``<name>_server``, ``gateway``), or by a
+    ``pooled`` mark (a parameter naming the server: ``helpers.pooled``)."""
     fixtures = getattr(item, "fixturenames", ())
     names = [name.removesuffix("_server") for name in fixtures if name.endswith("_server")]
-    return [name for name in names if name in POOLED] + (list(GATEWAY_WORKERS) if "gateway" in fixtures else [])
+    marked = [name for mark in item.iter_markers("pooled") for name in mark.args]
+    return list(dict.fromkeys([name for name in names if name in POOLED] + marked
+                              + (list(GATEWAY_WORKERS) if "gateway" in fixtures else [])))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pool_when_a_test_needs_it(request):
+    """The pool exists from the first test on when any selected test needs a pooled server, so
+    the first servers start while the tests before them run (``_prefetch_ahead``)."""
+    if any(_pooled_names(item) for item in request.session.items):
+        request.getfixturevalue("servers")
+
+
+# How far ahead (in tests) a server is launched early: far enough to overlap its start with the
+# tests before it, near enough that it does not stop a running server that is still needed
+PREFETCH_HORIZON = 400
+
+
+def _prefetch_ahead(pool: ServerPool, items: list, index: int) -> None:
+    """Launch the first pooled server a later test asks for that is not running, keeping the
+    servers the tests until then ask for (``ServerPool.prefetch``)."""
+    needed_before: set[str] = set()
+    for later in items[index + 1:index + 1 + PREFETCH_HORIZON]:
+        names = _pooled_names(later)
+        absent = [name for name in names if name not in pool.running and name not in pool.launched]
+        if absent:
+            pool.prefetch(absent[0], keep=needed_before | set(names))
+            return
+        needed_before |= set(names)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before the test's fixtures: the pooled servers it names run (once the pool exists; the
-    first test to name one starts the pool through its fixtures)."""
+    first test to name one starts the pool through its fixtures), and the next server a later
+    test needs is launched early."""
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None:
         pool.begin_test()
         if names := _pooled_names(item):
             pool.get(*names)
+        items = item.session.items
+        _prefetch_ahead(pool, items, items.index(item))
 
 
-# Run last: the tutorials ask the pool for servers of other test modules (the LLaVA and Qwen2.5-VL
-# ones), still running when their modules came just before, instead of started for the tutorials
-# in the middle of the run and again later for their own modules
-LAST_MODULES = ("test_examples.py",)
+# The folders in the order they run. Unit tests first; the tutorials last: they ask the pool for
+# servers of the test modules before them (the LLaVA and Qwen2.5-VL ones), still running when
+# their modules came just before, instead of started for the tutorials in the middle of the run
+# and again later for their own modules.
+FOLDERS = ("unit", "server", "vlm", "examples")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if any(name.endswith("_server") or name in ("gateway", "servers") for name in getattr(item, "fixturenames", ())):
+        folder = item.path.parent.name
+        uses_a_server = any(name.endswith("_server") or name in ("gateway", "servers")
+                            for name in getattr(item, "fixturenames", ()))
+        if uses_a_server or folder == "server":  # tests/server/: a pooled server, or its own
             item.add_marker(pytest.mark.server)
-    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: file order otherwise
+        if folder == "vlm":
+            item.add_marker(pytest.mark.vlm)
+    # stable: file order within a folder
+    items.sort(key=lambda item: FOLDERS.index(item.path.parent.name) if item.path.parent.name in FOLDERS else -1)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from sgl_embeds_srt import wire
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server
+from sgl_embeds.testing.server import Server, cpu_env
 
 GREEDY = {"temperature": 0.0}
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
@@ -112,3 +115,22 @@ def start_multi_tokenizer(model_dir, extra_args: list[str], workers: int = 2):
             raise AssertionError(server.log_tail())
         time.sleep(0.5)
     return server
+
+
+CHILD_TIMEOUT_S = 180
+
+
+def run_with_changed_sglang(tmp_path, change: str, then: str) -> subprocess.CompletedProcess:
+    """``then`` in a child Python whose first lines are ``change`` (written to a file, as SGLang's
+    code is, so its source can be read): how a changed SGLang is seen where a user would see it."""
+    (tmp_path / "changed_sglang.py").write_text(change)
+    script = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport changed_sglang\n{then}"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cpu_env(),
+                          timeout=CHILD_TIMEOUT_S, start_new_session=True)
+
+
+def pooled(names, server_of=None) -> list:
+    """Parameters naming servers of the session's pool, each marked ``pooled`` with the server it
+    asks for (``server_of(name)``; default: the name itself), so the pool starts it early and
+    keeps it for the test (tests/conftest.py)."""
+    return [pytest.param(name, marks=pytest.mark.pooled((server_of or str)(name))) for name in names]

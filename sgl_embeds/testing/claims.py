@@ -2,7 +2,7 @@
 
 ``shows(claim, holds)`` prints ``✓ claim`` or raises ``AssertionError``; ``with showing(claim):``
 does the same for a block of checks (it prints the mark when the block raised nothing). The
-notebooks in ``examples/`` are committed with their outputs, and ``tests/test_examples.py``
+notebooks in ``examples/`` are committed with their outputs, and ``tests/examples/test_notebooks.py``
 requires a fresh run to print the same ✓ lines as the committed one: so a claim's text holds only
 what is stable across machines (counts, shapes, verdicts), never generated text or timings.
 """

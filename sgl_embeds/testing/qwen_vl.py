@@ -51,7 +51,7 @@ def tiny_qwen2_5_vl_dir() -> Path:
     Images are resized to multiples of 28 px holding 4 to 16 merged patches (prompt rows).
     The language model is scaled x3 and the merger x2 from the default init, so that the image
     changes the greedy answer from its first token on (measured: at the default init two images
-    of tests/test_qwen_vl_native.py gave varied answers with the same first token; with the LM
+    of tests/vlm/test_qwen_vl_native.py gave varied answers with the same first token; with the LM
     scaled alone, one answer fell into a two-token loop).
     """
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -104,6 +104,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> "Server":
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> "Server":
+        """Start the server process, without waiting for it to be ready (``wait_ready``)."""
         if not Path(self.model_dir, "config.json").exists():
             raise ServerStartError(f"model dir {self.model_dir} has no config.json")
         self.port = self.port or free_port()
@@ -121,6 +126,10 @@ class Server:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**cpu_env(), **self.env}, start_new_session=True)
         log.close()
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "Server":
+        """Wait until the launched server answers; stopped if it does not (``ServerStartError``)."""
         try:
             self._wait_ready(timeout)
         except BaseException:  # a timeout, a dead server, or Ctrl-C: never leave it running
@@ -186,10 +195,13 @@ class Server:
         return requests.post(self.url + "/generate", json=body, timeout=timeout)
 
 
-def start_each(servers: list[Server], timeout: float = READY_TIMEOUT_S) -> list[BaseException | None]:
-    """Start several servers at once (their startups overlap): each one's error, or None."""
+def start_each(servers: list[Server], timeout: float = READY_TIMEOUT_S,
+               launched: list[bool] | None = None) -> list[BaseException | None]:
+    """Start several servers at once (their startups overlap; ``launched``: which ones were
+    launched already, to wait for): each one's error, or None."""
+    launched = launched or [False] * len(servers)
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
-        futures = [pool.submit(s.start, timeout) for s in servers]
+        futures = [pool.submit(s.wait_ready if done else s.start, timeout) for s, done in zip(servers, launched)]
         return [f.exception() for f in futures]
 
 
@@ -214,43 +226,71 @@ class ServerPool:
 
     ``get`` starts the ones of its names not running, together (their startups overlap), after
     stopping the least recently used ones that no part of the current test asked for (``begin_test``
-    starts a test). A stopped server keeps its object and port and restarts in place when asked for
-    again, so URLs handed out earlier stay good. A server that failed to start fails every later
-    ``get`` at once, rather than spending another start timeout per test. ``makers`` builds each
-    named ``Server`` (unstarted) when it is first asked for."""
+    starts a test). ``prefetch`` launches a server a later test will ask for without waiting for
+    it, so its startup (mostly one core importing SGLang) overlaps the tests before that one; its
+    ``get`` then only waits for it. A stopped server keeps its object and port and restarts in
+    place when asked for again, so URLs handed out earlier stay good. A server that failed to
+    start fails every later ``get`` at once, rather than spending another start timeout per test.
+    ``makers`` builds each named ``Server`` (unstarted) when it is first asked for."""
 
     def __init__(self, makers: dict[str, Callable[[], Server]], max_running: int | None = None):
         self.makers = makers
         self.max_running = max_running
         self.made: dict[str, Server] = {}
         self.running: dict[str, Server] = {}  # least recently used first
+        self.launched: dict[str, Server] = {}  # prefetched: started, not yet known to be ready
         self.failed: dict[str, BaseException] = {}
         self.in_use: set[str] = set()  # asked for by the current test: never stopped to make room
 
     def begin_test(self) -> None:
         self.in_use = set()
 
+    def _server(self, name: str) -> Server:
+        if name not in self.made:
+            self.made[name] = self.makers[name]()
+        return self.made[name]
+
     def get(self, *names: str) -> list[Server]:
         self.in_use.update(names)
         for name in names:
             if name in self.failed:
                 raise ServerStartError(f"server {name!r} failed to start earlier in this session") from self.failed[name]
-        missing = [name for name in names if name not in self.running]
+        prefetched = [name for name in names if name in self.launched]
+        missing = [name for name in names if name not in self.running and name not in self.launched]
         if missing:
             self.make_room(len(missing))
-            for name in missing:
-                if name not in self.made:
-                    self.made[name] = self.makers[name]()
-            servers = [self.made[name] for name in missing]
-            errors = start_each(servers)
+        waiting = prefetched + missing
+        if waiting:
+            servers = [self._server(name) for name in waiting]
+            for name in prefetched:
+                del self.launched[name]
+            errors = start_each(servers, launched=[name in prefetched for name in waiting])
             if any(errors):
                 stop_all(servers)
-                self.failed.update((name, e) for name, e in zip(missing, errors) if e)
+                self.failed.update((name, e) for name, e in zip(waiting, errors) if e)
                 raise next(e for e in errors if e)
-            self.running.update(zip(missing, servers))
+            self.running.update(zip(waiting, servers))
         for name in names:  # now the most recently used
             self.running[name] = self.running.pop(name)
         return [self.running[name] for name in names]
+
+    def prefetch(self, name: str, keep: set[str]) -> bool:
+        """Launch ``name`` now for a later test, if there is room without stopping a server in
+        ``keep`` (those the tests until then ask for) or the current test's; True if launched."""
+        if name in self.running or name in self.launched or name in self.failed:
+            return False
+        if self.max_running is not None:
+            idle = [n for n in self.running if n not in self.in_use and n not in keep]
+            excess = len(self.running) + len(self.launched) + 1 - self.max_running
+            if excess > len(idle):
+                return False
+            stop_all([self.running.pop(n) for n in idle[:max(excess, 0)]])
+        try:
+            self.launched[name] = self._server(name).launch()
+        except ServerStartError as e:
+            self.failed[name] = e
+            return False
+        return True
 
     def make_room(self, count: int) -> None:
         """Stop the least recently used servers the current test did not ask for until ``count``
@@ -258,12 +298,13 @@ class ServerPool:
         if self.max_running is None:
             return
         idle = [name for name in self.running if name not in self.in_use]
-        excess = len(self.running) + count - self.max_running
+        excess = len(self.running) + len(self.launched) + count - self.max_running
         stop_all([self.running.pop(name) for name in idle[:max(excess, 0)]])
 
     def stop(self) -> None:
-        stop_all(list(self.running.values()))
+        stop_all([*self.running.values(), *self.launched.values()])
         self.running.clear()
+        self.launched.clear()
 
 
 def smg_binary() -> str:

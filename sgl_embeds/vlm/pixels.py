@@ -5,7 +5,7 @@ edge, or to a fixed size), center crop, rescale to [0, 1], normalize. transforme
 backends that differ in the last bits of the resize: ``"torchvision"`` (the default whenever
 torchvision is installed) and ``"pil"``. ``ImageProcessing`` records which one the checkpoint is
 matched against and repeats its operations in the same order with the same library calls, so
-the pixel values are equal, not just close (``tests/test_vlm.py`` checks both backends).
+the pixel values are equal, not just close (``tests/vlm/test_llava15_encoder.py`` checks both backends).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ HF's LLaVA processor expands each image token of the prompt text into ``rows_per
 and tokenizes the whole text; the image token is a special token, so the text on each side of it
 is tokenized on its own. sgl_embeds sends text / span / text segments and tokenizes the first
 with the tokenizer's special tokens (BOS) and the rest without: the same ids, with each image's
-rows where HF puts its expanded image tokens (``tests/test_vlm_parity.py`` checks the ids).
+rows where HF puts its expanded image tokens (``tests/vlm/test_llava15_parity.py`` checks the ids).
 
 ``render_chat`` renders messages with the checkpoint's own chat template (saved by ``split`` as
 ``DST/vision/chat_template.jinja``); ``image_prompt`` turns such a text into a program expression

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from sgl_embeds_srt import handles, openai, parse, prompts, token_ids
 from sgl_embeds_srt.http import asgi, own_routes
 from sgl_embeds_srt.keys import UNKNOWN_HANDLE_TYPE
-from sgl_embeds_srt.transport import PromptRows
+from sgl_embeds_srt.stock_request import StockRequest, serving
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,7 @@ class RouteContext:
     """What a route handler needs from the server (given to it by the middleware)."""
 
     spec: prompts.ModelSpec  # the served model
-    store: handles.SpanStore  # spans kept by handle
-
-
-@dataclass(frozen=True)
-class StockRequest:
-    """A handler's answer that SGLang's own route serves: the rewritten body, and the prompt's
-    rows to attach when that route calls ``generate_request`` (``openai.generate_request``)."""
-
-    body: dict
-    prompt_rows: PromptRows | None
+    store: handles.SpanStore  # spans held by handle
 
 
 # A route: (does this body carry spans?, handler). A handler gets the body, the request and the
@@ -131,9 +122,9 @@ class SpanMiddleware:
 
     async def _forward_to_stock_route(self, scope: dict, stock: StockRequest, receive: Callable,
                                       send: Callable) -> None:
-        """SGLang's own route serves the rewritten body, as JSON; the prompt's rows wait in the
-        request's scope state until its ``generate_request`` call, where
-        ``openai.generate_request`` attaches them."""
+        """SGLang's own route serves the rewritten body, as JSON, while ``stock`` is the request
+        being served (``stock_request.serving``): its ``generate_request`` call attaches the
+        prompt's rows (``openai.generate_request``)."""
         try:
             raw = orjson.dumps(stock.body)
         except orjson.JSONEncodeError:  # a binary body's span where this route reads none
@@ -141,5 +132,5 @@ class SpanMiddleware:
                                            "puts one: send the spans in its span fields")
             return await response(scope, receive, send)
         scope = asgi.with_length(scope, len(raw), b"application/json")
-        scope.setdefault("state", {})[openai.PROMPT_ROWS_KEY] = stock.prompt_rows
-        await self.app(scope, asgi.replay(raw, receive), send)
+        with serving(stock):
+            await self.app(scope, asgi.replay(raw, receive), send)

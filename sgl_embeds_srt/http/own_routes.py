@@ -34,7 +34,7 @@ def info(store: handles.SpanStore) -> dict:
         "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
         "vocab_size": spec.vocab_size, "context_len": spec.context_len,
         "max_span_bytes": parse.max_span_bytes(), "wire_dtypes": sorted(wire.DTYPES),
-        # a body may be binary (binary_body.py), and handles are keys.span_handle of this scheme
+        # a body may be binary (binary_body.py), and handles are keys.content_key of this scheme
         "binary_body": binary_body.CONTENT_TYPE, "key_scheme": keys.KEY_SCHEME,
         "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
         "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)

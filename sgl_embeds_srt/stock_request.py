@@ -1,0 +1,47 @@
+"""The hand-off from the middleware to SGLang's own OpenAI routes: a ``StockRequest``.
+
+An OpenAI route with spans is served by SGLang's own handler: the middleware rewrites the body
+(prompt as token ids, placeholders at span rows) and hands it to that route. The prompt's rows
+cannot go in the JSON body; SGLang's handler builds its ``GenerateReqInput`` and calls
+``TokenizerManager.generate_request``, where ``openai.generate_request`` attaches them. The rows
+travel between the two as the ``StockRequest`` being served: a context variable the middleware
+sets for exactly the time SGLang's route runs (``serving``), which every task that route starts
+inherits (a streamed answer's generator included), and which ``being_served`` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Iterator
+
+from sgl_embeds_srt.prompt_rows import PromptRows
+
+
+@dataclass(frozen=True)
+class StockRequest:
+    """A body that SGLang's own route serves: the rewritten body, and the prompt's rows to attach
+    when that route calls ``generate_request`` (None: a stock body, passed on as JSON)."""
+
+    body: dict
+    prompt_rows: PromptRows | None
+
+
+_SERVING: ContextVar[StockRequest | None] = ContextVar("sgl_embeds_stock_request", default=None)
+
+
+@contextlib.contextmanager
+def serving(stock: StockRequest) -> Iterator[None]:
+    """While SGLang's own route serves ``stock`` (its whole call, in this task and the tasks it
+    starts)."""
+    token = _SERVING.set(stock)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
+
+
+def being_served() -> StockRequest | None:
+    """The ``StockRequest`` SGLang's route is serving in this context (None outside one)."""
+    return _SERVING.get()
