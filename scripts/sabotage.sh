@@ -8,7 +8,9 @@
 # rows_scaled_1pct, spans_zeroed (every span all zeros: tests/examples/test_notebooks.py must fail on each
 # notebook), images_reversed (a program's images in reverse order), ids_unplaced (an id refusal
 # that does not say where the id stands), and breaks of the LLaVA-NeXT / OneVision vision half
-# (anyres_*, siglip_*).
+# (anyres_*, siglip_*), and of Qwen3-VL spans: deepstack_layers_swapped (each deepstack layer's rows
+# added one layer off), mrope_not_interleaved (the tiny Qwen3-VL's config: SGLang then applies M-RoPE
+# unlike HF).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -73,7 +73,9 @@ class EmbedsEndpoint(RuntimeEndpoint):
                                "(no 'sgl_embeds' in /get_model_info)")
         self.server_info = info
         self.hidden_size: int = info["hidden_size"]
-        writer = SpanWriter(self.hidden_size, wire_format, wire_dtype, HeldSpans() if span_handles else None)
+        # a span's row width: the hidden size, with a Qwen3-VL's deepstack rows after it
+        self.span_width: int = info.get("span_width", self.hidden_size)
+        writer = SpanWriter(self.span_width, wire_format, wire_dtype, HeldSpans() if span_handles else None)
         takes_binary = (send_binary and wire_format == "base64"
                         and info.get("binary_body") == binary_body.CONTENT_TYPE)
         self.sender = SpanSender(base_url, writer, takes_binary, api_key=api_key, verify=verify)

@@ -18,7 +18,9 @@ tenancy model); the ``Engine`` API takes tensors directly instead.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
@@ -89,11 +91,13 @@ class SpanStore:
         return {"count": count, "bytes": size, "budget": self.budget}
 
 
-def upload(body: dict, store: SpanStore, hidden_size: int) -> dict:
+def upload(body: dict, store: SpanStore, check_width: Callable[[torch.Tensor], None]) -> dict:
+    """Hold the span of an upload body; ``check_width``: the served model's check of its shape
+    (``prompts.ModelSpec.check_width``)."""
     if set(body) != {"embeds"}:
         raise ValueError('upload a span as {"embeds": <tensor>}')
     t = wire.decode_tensor(body["embeds"], store.budget)
-    wire.check_shape(t, hidden_size)
+    check_width(t)
     handle = store.put(Span(t, row_digests=keys.finite_row_digests(t))).content_key
     return {"handle": handle, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size()}

@@ -40,8 +40,10 @@ from sglang.srt.managers.schedule_batch import (
 from sgl_embeds_srt.prompt_rows import PromptRows
 
 # The VLM families whose image rows we can place exactly (their rope index and embedding path
-# were read and tested); the others are refused by name (docs/vision-encoders.md says why).
-SERVED_MODEL_TYPES = ("qwen2_5_vl",)
+# were read and tested against HF); the others are refused by name (docs/vision-encoders.md says
+# why: Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its config says, and it has
+# not run here).
+SERVED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
 _IDENTITY_TAG = b"sgl_embeds/image/v3"  # v3: handles of keys.KEY_SCHEME blake3-rows/v3
@@ -58,6 +60,9 @@ class VisionSpec:
     vision_end_token_id: int
     merge_size: int
     tokens_per_second: float | None
+    # Qwen3-VL: the tower's deepstack layers, whose rows an image's span carries after its main
+    # rows along the width (the LLM adds layer i's after its decoder layer i)
+    deepstack_layers: int = 0
 
     @classmethod
     def of(cls, hf_config: Any) -> VisionSpec | None:
@@ -68,14 +73,32 @@ class VisionSpec:
         vision = hf_config.vision_config
         return cls(model_type, hf_config.image_token_id, hf_config.video_token_id,
                    hf_config.vision_start_token_id, hf_config.vision_end_token_id,
-                   vision.spatial_merge_size, getattr(vision, "tokens_per_second", None))
+                   vision.spatial_merge_size, getattr(vision, "tokens_per_second", None),
+                   len(getattr(vision, "deepstack_visual_indexes", None) or ()))
 
-    def info(self) -> dict:
+    def span_width(self, hidden_size: int) -> int:
+        """The width of an image's span: the LLM's hidden size, times 1 + the deepstack layers."""
+        return hidden_size * (1 + self.deepstack_layers)
+
+    def width_error(self, width: int, hidden_size: int) -> str:
+        """Why a span of ``width`` does not fit (the width the model wants, and why)."""
+        want = self.span_width(hidden_size)
+        if not self.deepstack_layers:
+            return f"an image span of this model ({self.model_type}) is [n, {want}] (the LLM's hidden size); got width {width}"
+        return (f"an image span of this model ({self.model_type}) is [n, {hidden_size} x (1 + {self.deepstack_layers})] = "
+                f"[n, {want}]: the image's rows, then the rows of each of its {self.deepstack_layers} deepstack layers "
+                "along the width (HF get_image_features: pooler_output, then deepstack_features, SGLang's layout), "
+                "which the LLM adds after its first layers; without them it is another model. Got width "
+                f"{width}")
+
+    def info(self, hidden_size: int) -> dict:
         """For ``/sgl_embeds/info``: what a client needs to send image spans."""
         return {"mrope": True, "model_type": self.model_type, "served": self.model_type in SERVED_MODEL_TYPES,
                 "merge_size": self.merge_size, "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id,
                 "vision_start_token_id": self.vision_start_token_id,
-                "vision_end_token_id": self.vision_end_token_id}
+                "vision_end_token_id": self.vision_end_token_id,
+                "deepstack_layers": self.deepstack_layers, "span_width": self.span_width(hidden_size)}
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,10 @@ def check_image_span(grid: tuple[int, int, int] | None, n_rows: int, spec: Visio
         raise ValueError(f"{where}this model ({spec.model_type}) places image rows at M-RoPE positions: "
                          "give the span its image_grid_thw [t, h, w] (the patch grid before the merge)")
     t, h, w = grid
+    if t != 1:
+        raise ValueError(f"{where}image_grid_thw {list(grid)}: an image's grid has t = 1 (the image processor "
+                         "repeats a still image over the temporal patch); t > 1 is a video, whose frames "
+                         "need their time positions: video spans are not served yet")
     merge = spec.merge_size
     if h % merge or w % merge:
         raise ValueError(f"{where}image_grid_thw {list(grid)}: h and w must be multiples of the merge size {merge}")
@@ -115,6 +142,25 @@ def check_image_span(grid: tuple[int, int, int] | None, n_rows: int, spec: Visio
         raise ValueError(f"{where}an image span must follow the vision-start token (id "
                          f"{spec.vision_start_token_id}, '<|vision_start|>'), as the chat template writes it; "
                          "without it the rope index would place the rows as text")
+
+
+def check_vision_ids(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> None:
+    """The prompt's ids as SGLang's rope index will read them: an image or video pad id stands
+    only at an image span's rows (one written in text would be counted as another image, ending
+    in an IndexError or rows at the wrong positions), and every image span is closed by the
+    vision-end token, as the chat template writes it. ``ValueError`` (HTTP 400) naming the place."""
+    rows = {p for image in images for p in range(image.start, image.start + image.n_rows)}
+    pads = {spec.image_token_id: "image pad", spec.video_token_id: "video pad"}
+    for position, token in enumerate(ids):
+        if token in pads and position not in rows:
+            raise ValueError(f"position {position} holds the {pads[token]} token (id {token}) outside an image "
+                             "span: the model's vision tokens stand only where a span's rows are; send the image "
+                             "as a span with its image_grid_thw after the vision-start token, not its pad tokens")
+    for image in images:
+        end = image.start + image.n_rows
+        if end >= len(ids) or ids[end] != spec.vision_end_token_id:
+            raise ValueError(f"the image span at position {image.start} must be followed by the vision-end token "
+                             f"(id {spec.vision_end_token_id}, '<|vision_end|>'), as the chat template writes it")
 
 
 def identity(content_key: str, grid: tuple[int, int, int]) -> bytes:
@@ -218,3 +264,12 @@ def _split_per_item(embedding: Any, items: list) -> list[torch.Tensor]:
         return embedding
     sizes = [sum(end - start + 1 for start, end in item.offsets) for item in items]
     return list(torch.split(embedding.reshape(-1, embedding.shape[-1]), sizes))
+
+
+def qwen2_vision_init(original: Callable, self: Any, vision_config: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of SGLang's ``Qwen2VisionTransformer.__init__``: a Qwen2-VL config written by
+    transformers 5 names the patch embedding's channels ``in_channels``, where SGLang 0.5.23
+    reads ``in_chans`` (earlier configs have both names' value under ``in_chans``)."""
+    if not hasattr(vision_config, "in_chans"):
+        vision_config.in_chans = vision_config.in_channels
+    return original(self, vision_config, *args, **kwargs)

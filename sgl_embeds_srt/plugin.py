@@ -37,6 +37,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.CREATE_TOKENIZED_OBJECT: (HookType.AROUND, image_spans.create_tokenized_object),
         targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, image_spans.handle_generate_request),
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, image_spans.get_embedding_and_mask),
+        targets.QWEN2_VISION_INIT: (HookType.AROUND, image_spans.qwen2_vision_init),
     }
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)

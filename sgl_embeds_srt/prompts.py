@@ -19,7 +19,7 @@ import torch
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, image_inputs
+from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, check_vision_ids, image_inputs
 from sgl_embeds_srt.keys import keyed
 from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
@@ -45,6 +45,20 @@ class ModelSpec:
         return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer,
                    VisionSpec.of(mc.hf_config))
 
+    @property
+    def span_width(self) -> int:
+        """The width of a span's rows: the hidden size, with a Qwen3-VL's deepstack rows after it."""
+        return self.hidden_size if self.vision is None else self.vision.span_width(self.hidden_size)
+
+    def check_width(self, rows: Any, where: str = "") -> None:
+        """A span's shape against the model (``wire.WireError`` naming the width it wants)."""
+        try:
+            wire.check_shape(rows, self.span_width)
+        except wire.WireError as e:
+            if self.vision is None or rows.dim() != 2:
+                raise wire.WireError(f"{where}{e}") from None
+            raise wire.WireError(f"{where}{self.vision.width_error(rows.shape[1], self.hidden_size)}") from None
+
 
 def build_ids(segments: list[Segment], spec: ModelSpec,
               specials_first: bool = True) -> tuple[list[int], PromptRows | None]:
@@ -69,10 +83,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
         else:
             # Values were checked when the span was decoded (or uploaded); here only the width,
             # and finiteness again only if the cast to the model's dtype can overflow.
-            try:
-                wire.check_shape(s.rows, spec.hidden_size)
-            except wire.WireError as e:
-                raise wire.WireError(f"segment {i}: {e}") from None
+            spec.check_width(s.rows, f"segment {i}: ")
             check_image_span(s.image_grid_thw, s.rows.shape[0], spec.vision,
                              ids[-1] if ids else None, f"segment {i}: ")
             # the content key and row digests of the rows as sent (set where the server decoded
@@ -94,6 +105,8 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
     if len(ids) >= spec.context_len:
         raise ValueError(f"the prompt has {len(ids)} positions (text tokens + span rows), more than "
                          f"the model's context length of {spec.context_len}")
+    if spec.vision is not None:
+        check_vision_ids(ids, images, spec.vision)
     if not rows_per_span:
         return ids, None
     prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions)

@@ -62,6 +62,7 @@ SDPA_FORWARD_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNa
                        "._run_sdpa_forward_extend")
 HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
+QWEN2_VISION_INIT = "sglang.srt.models.qwen2_vl.Qwen2VisionTransformer.__init__"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
@@ -96,6 +97,9 @@ PATCHED: dict[str, Guard] = {
     HANDLE_GENERATE_REQUEST: server("recv_req.mm_inputs", "_handle_generate_request", fp="b41817b2226eecbe"),
     GET_EMBEDDING_AND_MASK: server("_get_precomputed_embedding", "_get_chunked_prefill_embedding",
                                    "data_embedding_func", fp="c7a8f00f9d06b197"),
+    # Qwen2-VL checkpoints written by transformers 5 name the channels in_channels; SGLang reads
+    # in_chans (image_spans.qwen2_vision_init gives it the value)
+    QWEN2_VISION_INIT: server("vision_config.in_chans", fp="ab85a3c8256d1db7"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),
@@ -172,9 +176,22 @@ RELIED_ON: dict[str, Guard] = {
         server("get_rope_index(", fp="35d707fc2ad2eb46"),
     "sglang.srt.managers.mm_schedule._batch_encode_per_image_misses":
         server("data_embedding_func(miss_items)", "isinstance(all_miss_embedding, list)", fp="f0a32a66f7c8f079"),
-    "sglang.srt.managers.mm_utils.embed_mm_inputs": server("get_embedding_and_mask(", fp="e9aa8c6497e155ee"),
+    # a Qwen3-VL span's width holds its deepstack rows: SGLang splits what our per-item embedding
+    # returns at the LLM's hidden size and adds deepstack layer i after decoder layer i
+    "sglang.srt.managers.mm_utils.embed_mm_inputs":
+        server("get_embedding_and_mask(", "separate_deepstack_embeds", fp="e9aa8c6497e155ee"),
+    "sglang.srt.managers.mm_utils.prepare_mm_inputs": server('kwargs["input_deepstack_embeds"]', fp="a49a4ac4c19e4679"),
     "sglang.srt.models.qwen2_5_vl.Qwen2_5_VLForConditionalGeneration.forward":
         server("general_mm_embed_routine", "mrope_positions", fp="a0968933ad7d0574"),
+    "sglang.srt.models.qwen2_vl.Qwen2VLForConditionalGeneration.forward":
+        server("general_mm_embed_routine", "mrope_positions", fp="bd9eea1c46592051"),
+    "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration.forward":
+        server("general_mm_embed_routine", "use_deepstack=self.use_deepstack", "mrope_positions",
+               fp="5f09a341cd8d270f"),
+    "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration.separate_deepstack_embeds":
+        server("self.config.hidden_size", fp="1ac769f80d572e73"),
+    "sglang.srt.models.qwen3_vl.Qwen3LLMModel.forward":
+        server("input_deepstack_embeds[:, sep : sep + self.hidden_size]", fp="a55663ad95dd429f"),
     # -- client: the sglang module gains sgl.embeds / sgl.region (ADDED_NAMES); a /generate body
     #    passes _add_images; select reads input logprobs; a refused request raises
     #    RuntimeError(<the server's JSON error>), which carries UnknownSpanHandle

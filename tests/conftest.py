@@ -10,7 +10,8 @@ or without one; ``examples/``: the tutorials). Tests that use a server, and ever
 ``server/``, are marked ``server``; the quick edit-test loop is ``pytest -m "not server"``. Shared
 test code lives beside this file: ``helpers.py`` (request builders, HF references),
 ``fake_server.py`` (a fake plugin worker over HTTP), ``strategies.py`` (the fuzzers' strategies),
-``llava_harness.py`` (the LLaVA families against their servers), ``engine_probe.py``.
+``llava_harness.py`` (the LLaVA families against their servers), ``qwen_vl_harness.py`` (image
+spans on a Qwen-VL server), ``engine_probe.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.qwen_vl import poisoned_vision_dir, tiny_qwen2_5_vl_dir
+from sgl_embeds.testing.qwen_vl import poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
 
@@ -114,6 +115,11 @@ def servers(llava_dirs, pytestconfig):
         # pool of 256 positions, so that concurrent requests retract
         "qwen_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_5_vl_dir()),
                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
+        # the other Qwen-VL families, likewise: Qwen3-VL (deepstack) and Qwen2-VL
+        "qwen3_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen3_vl_dir()),
+                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
+        "qwen2_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_vl_dir()),
+                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
     }, max_running=MAX_RUNNING)
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
@@ -132,9 +138,10 @@ def _pooled(name: str):
 
 
 POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next", "llava_onevision",
-          "qwen_vl", "qwen_vl_spans"]
+          "qwen_vl", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans"]
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
- llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server) = map(_pooled, POOLED)
+ llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server, qwen3_vl_spans_server,
+ qwen2_vl_spans_server) = map(_pooled, POOLED)
 
 
 @pytest.fixture(scope="session")

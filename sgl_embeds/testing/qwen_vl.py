@@ -1,5 +1,6 @@
-"""A tiny random-weight Qwen2.5-VL checkpoint that SGLang serves natively and HF loads as is,
-and HF ``Qwen2_5_VLForConditionalGeneration`` on it as the reference for generated tokens.
+"""Tiny random-weight Qwen-VL checkpoints (Qwen2.5-VL, Qwen2-VL, Qwen3-VL) that SGLang serves
+natively and HF loads as they are, and HF's own class on each as the reference for generated
+tokens.
 
 An ordinary HF directory (config, float32 safetensors, tokenizer with the Qwen vision specials,
 chat template, ``Qwen2_5_VLProcessor`` with its image and video processors), built once into the
@@ -28,7 +29,8 @@ VISION_SPECIALS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 # What one image becomes in a prompt before the processor expands the pad to t*h*w/merge**2.
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
-FACTOR = PATCH * MERGE  # image sides are resized to multiples of this
+QWEN3_PATCH = 16  # Qwen3-VL's patch size
+FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
 # The Qwen chat format, with an image content part rendered as the placeholder.
 QWEN_VL_CHAT_TEMPLATE = (
@@ -79,44 +81,88 @@ def _mrope_section(text_size: dict) -> list[int]:
     return [time_pairs, (half - time_pairs) // 2, (half - time_pairs) // 2]
 
 
+def tiny_qwen2_vl_dir() -> Path:
+    """A tiny random-weight ``Qwen2VLForConditionalGeneration`` (Qwen2-VL): the language model of
+    ``tiny_qwen2_5_vl_dir``; a vision tower of width 32, depth 2, no windows, its merger out to the
+    LM's hidden 64; patch 14, images of 4 to 16 merged patches."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+    # seed 3: at seed 7 every image gave one token repeated (measured); at 3 the answers vary
+    # and change with the image
+    return _qwen_vl_dir(f"tiny-qwen2_vl-{QWEN_VL_CACHE_VERSION}", "qwen2_vl", text, vision,
+                        (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), (3, *_INIT[1:]))
+
+
+def tiny_qwen3_vl_dir() -> Path:
+    """A tiny random-weight ``Qwen3VLForConditionalGeneration`` (Qwen3-VL): language model hidden
+    64, 3 layers, 4 heads (2 KV), head dim 16, interleaved M-RoPE sections [2, 3, 3]; vision tower
+    width 32, depth 2, learned position embeddings (8x8), patch 16, and deepstack rows from both
+    of its blocks (``deepstack_visual_indexes`` [0, 1]: the LLM adds them after its layers 0 and
+    1); images of 4 to 16 merged patches. An image's span is ``[n, 64 x 3]``: its rows, then each
+    deepstack layer's."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+    return _qwen_vl_dir(f"tiny-qwen3_vl-{QWEN_VL_CACHE_VERSION}", "qwen3_vl", text, vision,
+                        (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
+
+
 def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
                     init: tuple[int, float, float]) -> Path:
-    """A random ``Qwen2_5_VLForConditionalGeneration`` of the given sizes, with our tokenizer
-    (vision specials included), the processor (images of ``image_tokens`` rows, min to max) and
-    the chat template; ``init``: seed, language-model and merger weight scales."""
+    vision = dict(**vision_size, window_size=2 * FACTOR, fullatt_block_indexes=[1], tokens_per_second=2)
+    return _qwen_vl_dir(name, "qwen2_5_vl", text_size, vision, image_tokens, init)
+
+
+def _family_classes(family: str) -> tuple:
+    """(config, model, processor, video processor) classes of a Qwen-VL family, and its patch size."""
+    import transformers as tf
+
+    return {
+        "qwen2_vl": (tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLProcessor,
+                     tf.Qwen2VLVideoProcessor, PATCH),
+        "qwen2_5_vl": (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor,
+                       tf.Qwen2VLVideoProcessor, PATCH),
+        "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor,
+                     tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
+    }[family]
+
+
+def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
+                 init: tuple[int, float, float]) -> Path:
+    """A random Qwen-VL model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) and the
+    given sizes, with our tokenizer (vision specials included), the processor (images of
+    ``image_tokens`` rows, min to max) and the chat template; ``init``: seed, language-model and
+    merger weight scales."""
 
     def build(tmp: Path) -> None:
-        from transformers import (
-            Qwen2_5_VLConfig,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2_5_VLProcessor,
-            Qwen2VLImageProcessor,
-            Qwen2VLVideoProcessor,
-        )
+        from transformers import Qwen2VLImageProcessor
 
+        config_class, model_class, processor_class, video_class, patch = _family_classes(family)
+        factor = patch * MERGE
         tok = train_tokenizer(tmp, extra_specials=VISION_SPECIALS)
         ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_SPECIALS}
-        text = dict(
-            vocab_size=len(tok), **text_size,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            # theta 10, not 10^4: over a few patches even the slowest rotary frequencies (those
-            # of the width axis) turn, so an image's 3-D positions change the answer (a wrong grid
-            # or 1-D positions must fail the parity tests)
-            rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)},
-        )
-        vision = dict(
-            **vision_size, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH,
-            window_size=2 * FACTOR, fullatt_block_indexes=[1], tokens_per_second=2,
-        )
-        config = Qwen2_5_VLConfig(
+        # theta 10, not 10^4: over a few patches even the slowest rotary frequencies (those of the
+        # width axis) turn, so an image's 3-D positions change the answer (a wrong grid or 1-D
+        # positions must fail the parity tests). Qwen3-VL interleaves the axes' frequencies (HF
+        # always does; SGLang where the config says so, as real Qwen3-VL configs do).
+        rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)}
+        if family == "qwen3_vl":
+            rope["mrope_interleaved"] = True
+        text = dict(vocab_size=len(tok), **text_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id, rope_parameters=rope)
+        vision = dict(**vision_size, patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
+        config = config_class(
             text_config=text, vision_config=vision, tie_word_embeddings=False,
             image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
             vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            **({} if family == "qwen3_vl" else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                     pad_token_id=tok.pad_token_id)),
         )
         seed, lm_scale, merger_scale = init
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -129,12 +175,18 @@ def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens:
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
         min_tokens, max_tokens = image_tokens
-        pixels = dict(min_pixels=min_tokens * FACTOR**2, max_pixels=max_tokens * FACTOR**2,
-                      patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
-        processor = Qwen2_5_VLProcessor(
-            image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
-            tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE,
-        )
+        pixels = dict(patch_size=patch, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
+        image_processor = Qwen2VLImageProcessor(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
+                                                **pixels)
+        if family == "qwen3_vl":
+            video_processor = video_class(size={"shortest_edge": min_tokens * factor**2,
+                                                "longest_edge": 4 * max_tokens * factor**2},
+                                          do_sample_frames=False, **pixels)
+        else:
+            video_processor = video_class(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
+                                          **pixels)
+        processor = processor_class(image_processor=image_processor, video_processor=video_processor,
+                                    tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE)
         processor.save_pretrained(tmp)  # transformers 5 nests both processors' settings in it
         # and the classic files, for loaders that read the image processor on its own
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json
@@ -143,15 +195,16 @@ def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens:
     return _build_atomically(cache_dir() / name, build)
 
 
-# -- HF Qwen2.5-VL as the reference (float32, greedy) -----------------------------------------
+# -- HF's Qwen-VL classes as the reference (float32, greedy) -----------------------------------
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=4)
 def hf_qwen_vl(checkpoint: str):
-    """HF's model and processor of a Qwen2.5-VL checkpoint, loaded once."""
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    """HF's model (the checkpoint's own class: Qwen2-VL, Qwen2.5-VL or Qwen3-VL) and processor,
+    loaded once."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
@@ -167,7 +220,7 @@ def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list, add_special_
 @torch.no_grad()
 def qwen_vl_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
                    prefix: list[int] = (), add_special_tokens: bool = True) -> Greedy:
-    """HF ``Qwen2_5_VLForConditionalGeneration.generate`` (float32, greedy) after ``text`` +
+    """HF's Qwen-VL ``generate`` (float32, greedy) after ``text`` +
     ``prefix``, for ``reference.check_greedy`` (``add_special_tokens``: see ``qwen_vl_inputs``)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
@@ -191,13 +244,17 @@ def qwen_vl_greedy(checkpoint: str | Path, text: str, images: list, max_new_toke
 
 @torch.no_grad()
 def image_rows(checkpoint: str | Path, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """The rows HF's Qwen2.5-VL puts at an image's pad tokens ([t*h*w/merge**2, hidden], float32)
-    and the image's grid (t, h, w), from the checkpoint's own processor and vision module."""
+    """The rows HF's Qwen-VL model puts at an image's pad tokens and the image's grid (t, h, w),
+    from the checkpoint's own processor and vision module: ``[t*h*w/merge**2, width]`` float32,
+    where a Qwen3-VL's width holds its deepstack rows after its main ones (SGLang's layout:
+    ``[n, hidden x (1 + deepstack layers)]``)."""
     model, processor = hf_qwen_vl(str(checkpoint))
     pixels = processor.image_processor(images=[image], return_tensors="pt")
     (grid,) = pixels["image_grid_thw"].tolist()
-    (rows,) = model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"]).pooler_output
-    return rows.float(), tuple(grid)
+    features = model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+    (rows,) = features.pooler_output
+    deepstack = [layer[0] for layer in getattr(features, "deepstack_features", None) or []]
+    return torch.cat([rows, *deepstack], dim=1).float(), tuple(grid)
 
 
 def poisoned_vision_dir(checkpoint: Path) -> Path:

@@ -2,10 +2,11 @@
 
 A LLaVA-style VLM (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) is split: ``python -m sgl_embeds.vlm
 split SRC DST`` writes ``DST/llm`` (serve it with SGLang and the plugin) and ``DST/vision``. A
-Qwen2.5-VL (M-RoPE) is served whole, natively, and its checkpoint directory is the vision half's
-too. ``load_encoder`` takes either (``DST/vision``, or the Qwen2.5-VL directory) and gives the
+Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE) is served whole, natively, and its
+checkpoint directory is the vision half's too. ``load_encoder`` takes either (``DST/vision``, or
+the Qwen-VL directory) and gives the
 ``VisionEncoder`` to hand to ``EmbedsEndpoint(vision_encoder=...)``, so ``sgl.image(img)`` and
-``sgl.region(box)`` put exactly the rows the VLM would feed its LLM (on Qwen2.5-VL with the
+``sgl.region(box)`` put exactly the rows the VLM would feed its LLM (on Qwen-VL with the
 image's grid). ``image_prompt`` places images where the checkpoint's prompt format puts its image
 token. See docs/vision-encoders.md.
 """
@@ -28,16 +29,16 @@ from sgl_embeds.vlm.tower import CONFIG_NAME, LlavaEncoder, VisionConfig, load_l
 
 def load_encoder(path: str | Path, device: str | torch.device | None = None
                  ) -> LlavaEncoder | AnyresEncoder | QwenVLEncoder:
-    """The ``VisionEncoder`` of ``path``: a Qwen2.5-VL checkpoint directory (``QwenVLEncoder``
+    """The ``VisionEncoder`` of ``path``: a Qwen-VL checkpoint directory (``QwenVLEncoder``
     with its defaults), or the ``DST/vision`` folder ``split`` writes from a LLaVA one
     (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and LLaVA-OneVision)."""
     path = Path(path)
     found = qwen_vl.model_type(path)
-    if found == qwen_vl.MODEL_TYPE:
+    if found in qwen_vl.MODEL_TYPES:
         return QwenVLEncoder(path, device=device)
     if found is not None:
-        raise ValueError(f"{path} is a {found!r} checkpoint: load_encoder takes a Qwen2.5-VL "
-                         f"checkpoint ({qwen_vl.MODEL_TYPE!r}) or the vision/ folder that "
+        raise ValueError(f"{path} is a {found!r} checkpoint: load_encoder takes a Qwen-VL "
+                         f"checkpoint {qwen_vl.MODEL_TYPES} or the vision/ folder that "
                          "`python -m sgl_embeds.vlm split` writes from a LLaVA one")
     config = path / CONFIG_NAME
     if config.exists() and json.loads(config.read_text()).get("format") == anyres.FORMAT:

@@ -1,17 +1,20 @@
-"""The vision half of a Qwen2.5-VL checkpoint on the client: an image's rows and its grid, as HF's
-own model computes them.
+"""The vision half of a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on the client: an
+image's rows and its grid, as HF's own model computes them.
 
-``QwenVLEncoder(DIR)`` (also ``load_encoder(DIR)``) reads a ``Qwen2_5_VLForConditionalGeneration``
-directory as transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``,
-``ImageRows``: the rows HF's ``get_image_features`` puts at the image's pad tokens
-(``[t*h*w / merge**2, out_hidden]``, float32 on the CPU, in HF's order) and the grid ``(t, h, w)``
-the server places them by (M-RoPE). The rows are HF's by construction, not by reimplementation:
-the pixels come from the checkpoint's own image processor (transformers' ``Qwen2VLImageProcessor``
-in either backend: resize to multiples of ``patch * merge`` within the checkpoint's min and max
-pixels, normalize, patchify), and the rows from transformers' own
-``Qwen2_5_VisionTransformerPretrainedModel`` (windowed attention, 2-D rotary positions, patch
-merger) built from the checkpoint's ``vision_config``. Only the ``visual.*`` weights are read, with
-safetensors (a ``.bin`` checkpoint is refused, never unpickled); the language model's never are.
+``QwenVLEncoder(DIR)`` (also ``load_encoder(DIR)``) reads a ``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration`` directory as
+transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``, ``ImageRows``:
+the rows HF's ``get_image_features`` puts at the image's pad tokens (``[t*h*w / merge**2,
+width]``, float32 on the CPU, in HF's order) and the grid ``(t, h, w)`` the server places them by
+(M-RoPE). On Qwen3-VL the width holds, after the image's rows, the rows of each deepstack layer
+(``pooler_output``, then ``deepstack_features``: ``[n, hidden x (1 + deepstack layers)]``, the
+layout SGLang splits). The rows are HF's by construction, not by reimplementation: the pixels come
+from the checkpoint's own image processor (transformers' ``Qwen2VLImageProcessor`` in either
+backend: resize to multiples of ``patch * merge`` within the checkpoint's min and max pixels,
+normalize, patchify), and the rows from transformers' own vision module of the family
+(``TOWERS``) built from the checkpoint's ``vision_config``. Only the ``visual.*`` weights are read,
+with safetensors (a ``.bin`` checkpoint is refused, never unpickled); the language model's never
+are.
 """
 
 from __future__ import annotations
@@ -24,18 +27,23 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
-from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 from sgl_embeds.vision import ImageRows, load_state
 from sgl_embeds.vlm.checkpoint import Tensors, weight_index
 from sgl_embeds.vlm.pixels import BACKENDS
 
-MODEL_TYPE = "qwen2_5_vl"
+# The vision module of each family, as transformers builds it from the checkpoint's vision_config
+TOWERS = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
+          "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
+          "qwen3_vl": Qwen3VLVisionModel}
+MODEL_TYPES = tuple(TOWERS)
 # The vision weights: ``visual.*`` as transformers saves them, ``model.visual.*`` as the modules
 # of ``Qwen2_5_VLForConditionalGeneration`` name them.
 VISUAL_PREFIXES = ("visual.", "model.visual.")
@@ -48,7 +56,7 @@ def model_type(path: str | Path) -> str | None:
 
 
 class QwenVLEncoder:
-    """The vision half of a Qwen2.5-VL checkpoint directory (see the module docstring).
+    """The vision half of a Qwen-VL checkpoint directory (see the module docstring).
 
     ``backend``: the image processor's transformers backend, ``"torchvision"`` or ``"pil"``
     (default: what ``AutoImageProcessor.from_pretrained(DIR)`` picks); ``dtype``: what the tower
@@ -59,9 +67,10 @@ class QwenVLEncoder:
                  device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
         checkpoint = Path(checkpoint)
         found = model_type(checkpoint)
-        if found != MODEL_TYPE:
-            raise ValueError(f"{checkpoint}/config.json: model_type is {found!r}, not "
-                             f"{MODEL_TYPE!r} (Qwen2_5_VLForConditionalGeneration)")
+        if found not in TOWERS:
+            raise ValueError(f"{checkpoint}/config.json: model_type is {found!r}, not one of "
+                             f"{MODEL_TYPES} (the Qwen-VL families whose vision half runs here)")
+        self.model_type = found
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         config = AutoConfig.from_pretrained(checkpoint)
@@ -81,12 +90,13 @@ class QwenVLEncoder:
 
         weights = visual_weights(checkpoint)
         self.dtype = dtype
-        self.tower = Qwen2_5_VisionTransformerPretrainedModel(config.vision_config).to(dtype)
+        self.tower = TOWERS[found](config.vision_config).to(dtype)
+        self.deepstack_layers = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
         load_state(self.tower, weights, f"{checkpoint}: vision weights")
         settings = {"vision_config": config.vision_config.to_dict(),
                     "processor": self.processor.to_dict(), "backend": self.backend,
                     "dtype": str(dtype)}
-        self.identity = _identity(settings, weights)  # for encoder-output caches
+        self.identity = _identity(found, settings, weights)  # for encoder-output caches
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tower.to(self.device).eval()
 
@@ -108,17 +118,19 @@ class QwenVLEncoder:
 
     @torch.no_grad()
     def features(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """``[t*h*w / merge**2, out_hidden]`` float32 CPU rows of one image's patches."""
+        """``[t*h*w / merge**2, width]`` float32 CPU rows of one image's patches (Qwen3-VL: the
+        deepstack layers' rows after the main ones)."""
         grid_thw = torch.tensor([grid], device=self.device)
         out = self.tower(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw)
-        return out.pooler_output.float().cpu()
+        deepstack = list(getattr(out, "deepstack_features", None) or [])
+        return torch.cat([out.pooler_output, *deepstack], dim=1).float().cpu()
 
     def __call__(self, image: Image.Image) -> ImageRows:
         pixel_values, grid = self.pixel_values(image)
         return ImageRows(self.features(pixel_values, grid), grid)
 
 
-def _check_processor(processor: object, vision_config: Qwen2_5_VLVisionConfig) -> None:
+def _check_processor(processor: object, vision_config: object) -> None:
     """The image processor is a Qwen2-VL one that patchifies as the tower expects."""
     if not isinstance(processor, (Qwen2VLImageProcessor, Qwen2VLImageProcessorPil)):
         raise ValueError(f"the image processor is a {type(processor).__name__}, not a "
@@ -151,11 +163,11 @@ def visual_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _identity(settings: dict, weights: dict[str, torch.Tensor]) -> str:
+def _identity(family: str, settings: dict, weights: dict[str, torch.Tensor]) -> str:
     """A name for these settings and weights: equal encoders share encoder-cache entries."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for name in sorted(weights):
         t = weights[name]
         digest.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
         digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return f"{MODEL_TYPE}-{digest.hexdigest()[:16]}"
+    return f"{family}-{digest.hexdigest()[:16]}"

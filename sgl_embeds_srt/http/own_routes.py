@@ -41,7 +41,8 @@ def info(store: handles.SpanStore) -> dict:
         "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
         "http_worker_pid": os.getpid(),
         # an M-RoPE VLM served natively: spans carry image_grid_thw (image_spans.py); else None
-        "vision": spec.vision.info() if spec.vision is not None else None,
+        "vision": spec.vision.info(spec.hidden_size) if spec.vision is not None else None,
+        "span_width": spec.span_width,  # a span's row width: hidden_size, with deepstack rows on Qwen3-VL
     }
 
 
@@ -57,8 +58,7 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
             if not isinstance(payload, dict):
                 raise ValueError("the body must be a JSON object (or a binary body, "
                                  f"{binary_body.CONTENT_TYPE}) within the size limit")
-            hidden_size = asgi.server_spec().hidden_size
-            uploaded = await asyncio.to_thread(handles.upload, payload, store, hidden_size)
+            uploaded = await asyncio.to_thread(handles.upload, payload, store, asgi.server_spec().check_width)
             response = ORJSONResponse(uploaded)
         except ValueError as e:
             response = asgi.error_response(str(e))

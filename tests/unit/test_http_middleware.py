@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sgl_embeds_srt import binary_body, handles, http, parse, wire
+from sgl_embeds_srt.prompts import ModelSpec
 from sgl_embeds_srt.http import asgi, middleware, own_routes
 
 BINARY = [(b"content-type", binary_body.CONTENT_TYPE.encode())]
@@ -194,7 +195,7 @@ def test_a_binary_body_without_spans_reaches_the_stock_route_as_json(monkeypatch
 
 
 def test_the_upload_route_takes_a_binary_body(monkeypatch):
-    monkeypatch.setattr(asgi, "server_spec", lambda: SimpleNamespace(hidden_size=8))
+    monkeypatch.setattr(asgi, "server_spec", lambda: ModelSpec(8, torch.float32, 100, 64, None))
     mw, rows = middleware.SpanMiddleware(_App()), torch.randn(4, 8).half()
     sent, _ = _call(mw, binary_body.encode_body({"embeds": rows})[0], path="/sgl_embeds/spans", headers=BINARY)
     uploaded = orjson.loads(sent[-1]["body"])
@@ -208,11 +209,12 @@ def test_the_upload_route_takes_a_binary_body(monkeypatch):
 
 
 def test_info_advertises_the_binary_body_and_the_key_scheme(monkeypatch):
-    spec = SimpleNamespace(hidden_size=8, dtype=torch.float32, vocab_size=100, context_len=64, vision=None)
+    spec = ModelSpec(8, torch.float32, 100, 64, None)
     monkeypatch.setattr(asgi, "server_spec", lambda: spec)
     monkeypatch.setattr(own_routes.transport, "stats", lambda: {})
     info = own_routes.info(handles.SpanStore(1 << 20))
     assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v3"
+    assert info["span_width"] == 8 and info["vision"] is None  # a text model: a span is [n, hidden]
 
 
 def _read(chunks: list[bytes], headers: list, limit: int = 1 << 20, disconnect: bool = False):

@@ -171,7 +171,8 @@ def test_the_module_map_lists_every_module_on_its_side():
 
 TEST_ROOT = ROOT / "tests"
 TEST_FOLDERS = {"unit", "server", "vlm", "examples", "sabotage"}
-SHARED_TEST_CODE = {"conftest.py", "helpers.py", "fake_server.py", "strategies.py", "llava_harness.py", "engine_probe.py"}
+SHARED_TEST_CODE = {"conftest.py", "helpers.py", "fake_server.py", "strategies.py", "llava_harness.py",
+                    "qwen_vl_harness.py", "engine_probe.py"}
 _STARTS_SERVERS = re.compile(r"\b(Server|Gateway)\(|sglang\.Engine\(|start_multi_tokenizer\(")
 
 

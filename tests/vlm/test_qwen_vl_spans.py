@@ -8,7 +8,6 @@ proves the tower never ran on the rows. Its small prefill chunk cuts images acro
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import subprocess
 import sys
@@ -21,9 +20,9 @@ import requests
 import sglang as sgl
 
 import helpers
+from qwen_vl_harness import MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
 from conftest import QWEN_VL_ARGS
 from sgl_embeds import EmbedsEndpoint, vision
-from sgl_embeds.testing import reference as ref
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
@@ -42,47 +41,6 @@ from sgl_embeds_srt import keys, wire
 from sgl_embeds_srt.segments import Span, Text
 
 pytestmark = pytest.mark.server
-
-MAX_TOKENS = 10
-MIN_COMPARED = 8
-
-
-def chat_text(checkpoint, question: str, n_images: int) -> str:
-    """The chat-template prompt of ``n_images`` images then a question (unexpanded placeholders)."""
-    _, processor = hf_qwen_vl(str(checkpoint))
-    content = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-
-
-def span_segments(text: str, spans: list[dict]) -> list[dict]:
-    """``text`` with each image placeholder replaced by the vision tokens around a grid span."""
-    parts = text.split(IMAGE_PLACEHOLDER)
-    assert len(parts) == len(spans) + 1, text
-    texts = [parts[0] + VISION_START] + [VISION_END + p + VISION_START for p in parts[1:-1]] + [VISION_END + parts[-1]]
-    segments = [helpers.text(texts[0])]
-    for span, after in zip(spans, texts[1:]):
-        segments += [span, helpers.text(after)]
-    return segments
-
-
-def grid_span(checkpoint, image) -> dict:
-    rows, grid = image_rows(checkpoint, image)
-    return {**helpers.span(rows), "image_grid_thw": list(grid)}
-
-
-def ask(server, segments: list[dict], **extra) -> dict:
-    return helpers.generate(server, helpers.body(segments, MAX_TOKENS, return_logprob=True, **extra))
-
-
-def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
-                      add_special_tokens: bool = True) -> list[int]:
-    """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
-    greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
-                               add_special_tokens=add_special_tokens)
-    eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
-    return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
-
 
 def test_one_image_span_equals_hf_on_the_pixels(qwen_vl_spans_server, qwen_vl_dir):
     text = chat_text(qwen_vl_dir, "what is the color of the object", 1)

@@ -1,0 +1,52 @@
+"""Image spans on the natively served Qwen-VL families (``vlm/test_qwen_vl_spans.py``,
+``vlm/test_qwen_vl_families.py``): a chat prompt with image placeholders, its image spans between
+the vision tokens, a request with output logprobs, and the comparison with HF's own class on the
+pixels."""
+
+from __future__ import annotations
+
+import functools
+
+import helpers
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.qwen_vl import IMAGE_PLACEHOLDER, VISION_END, VISION_START, hf_qwen_vl, image_rows, qwen_vl_greedy
+
+MAX_TOKENS = 10
+MIN_COMPARED = 8
+
+
+def chat_text(checkpoint, question: str, n_images: int) -> str:
+    """The chat-template prompt of ``n_images`` images then a question (unexpanded placeholders)."""
+    _, processor = hf_qwen_vl(str(checkpoint))
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def span_segments(text: str, spans: list[dict]) -> list[dict]:
+    """``text`` with each image placeholder replaced by the vision tokens around a grid span."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    assert len(parts) == len(spans) + 1, text
+    texts = [parts[0] + VISION_START] + [VISION_END + p + VISION_START for p in parts[1:-1]] + [VISION_END + parts[-1]]
+    segments = [helpers.text(texts[0])]
+    for span, after in zip(spans, texts[1:]):
+        segments += [span, helpers.text(after)]
+    return segments
+
+
+def grid_span(checkpoint, image) -> dict:
+    rows, grid = image_rows(checkpoint, image)
+    return {**helpers.span(rows), "image_grid_thw": list(grid)}
+
+
+def ask(server, segments: list[dict], **extra) -> dict:
+    return helpers.generate(server, helpers.body(segments, MAX_TOKENS, return_logprob=True, **extra))
+
+
+def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
+                      add_special_tokens: bool = True) -> list[int]:
+    """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
+    greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
+                               add_special_tokens=add_special_tokens)
+    eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
+    return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
