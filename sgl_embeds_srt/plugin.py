@@ -61,11 +61,31 @@ def register() -> None:
     (``http/worker_app.py``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry  # SGLang not ready at module import
 
-    main_process = multiprocessing.parent_process() is None
+    main_process = is_server_main_process()
     if main_process:
         check_guards()
     for target, (kind, hook) in hook_table(http=main_process).items():
         HookRegistry.register(target, hook, kind)
+
+
+# The pid of the process of this lineage that loaded the plugin last, in the environment the
+# processes it starts inherit
+LOADED_BY_VAR = "SGL_EMBEDS_PLUGIN_LOADED_BY"
+
+
+def is_server_main_process() -> bool:
+    """Whether this process is a server's (or an Engine's) main process, where the guards are
+    checked and the HTTP side goes, and not one SGLang started for it (scheduler, detokenizer, DP
+    controller, multi-tokenizer HTTP worker): those are multiprocessing children of a process that
+    loaded the plugin. Not just ``multiprocessing.parent_process() is None``: a server may itself
+    run in a multiprocessing child (an orchestrator, a supervisor or a notebook helper starts
+    ``launch_server`` that way), whose parent never loaded the plugin. (A multiprocessing child of
+    a process that did load it, such as a notebook that ran an ``Engine``, counts as SGLang's: start
+    such a server with ``subprocess`` instead.)"""
+    parent = multiprocessing.parent_process()
+    started_by_sglang = parent is not None and os.environ.get(LOADED_BY_VAR) == str(parent.pid)
+    os.environ[LOADED_BY_VAR] = str(os.getpid())
+    return not started_by_sglang
 
 
 def check_guards() -> None:

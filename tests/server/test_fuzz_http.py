@@ -30,7 +30,8 @@ grids = st.one_of(st.lists(st.integers(1, 12), min_size=3, max_size=3),
 good_rows = st.integers(1, 24).map(lambda n: wire.encode_tensor(torch.randn(n, 64) * 0.05))
 GRID_ROUTES = {
     "/generate#grid": lambda p, g: {"input_segments": [{"type": "text", "text": VISION_START},
-                                                       {"type": "embeds", "embeds": p, "image_grid_thw": g}],
+                                                       {"type": "embeds", "embeds": p, "image_grid_thw": g},
+                                                       {"type": "text", "text": "<|vision_end|>"}],
                                     "sampling_params": {"max_new_tokens": 1}},
     "/v1/chat/completions#grid": lambda p, g: {"model": "default", "max_tokens": 1, "messages": [
         {"role": "user", "content": [{"type": "input_embeds", "input_embeds": p, "image_grid_thw": g}]}]},

@@ -23,7 +23,8 @@ def _hostile(vocab: int) -> list:
 # a valid span prompt start on each server: a plain span, or an image span (grid 1x4x4: 4 rows)
 SPAN_STARTS = {
     "llama": [text("the"), span(seeded_rows(1, 3))],
-    "qwen_vl_spans": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]}],
+    "qwen_vl_spans": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]},
+                      text("<|vision_end|>")],
 }
 
 
@@ -34,7 +35,8 @@ def _forms(bad, span_start: list) -> dict[str, tuple[str, dict, str]]:
         "generate ids": ("/generate", {"input_ids": [1, 2, bad], "sampling_params": one}, "input_ids[2]"),
         "generate batch ids": ("/generate", {"input_ids": [[1, 2], [3, bad]], "sampling_params": one}, "input_ids[1][1]"),
         "generate span + ids segment": ("/generate", {"input_segments": [
-            *span_start, {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one}, "segment 2: "),
+            *span_start, {"type": "input_ids", "input_ids": [5, bad]}], "sampling_params": one},
+            f"segment {len(span_start)}: "),
         "completions ids": ("/v1/completions", {"model": "default", "prompt": [1, 2, bad], "max_tokens": 2}, "prompt[2]"),
         "completions batch ids": ("/v1/completions", {"model": "default", "prompt": [[1, 2], [bad]], "max_tokens": 2},
                                   "prompt[1][0]"),
