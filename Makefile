@@ -10,11 +10,13 @@ setup:
 demo: setup
 	$(PY) -m sgl_embeds.demo
 
-# the whole suite, then the exactness-sensitive tests again with AVX2 kernels (scripts/test_portable.sh);
-# red if either fails
+# the whole suite, then the exactness-sensitive tests again with AVX2 kernels (scripts/test_portable.sh),
+# then one deliberate break in rotation that the tests must catch (scripts/sabotage_rotation.sh);
+# red if any of the three fails
 test: setup
 	@status=0; $(PY) -m pytest -q -p no:cacheprovider --durations=30 || status=1; \
-	bash scripts/test_portable.sh || status=1; exit $$status
+	bash scripts/test_portable.sh || status=1; \
+	bash scripts/sabotage_rotation.sh || status=1; exit $$status
 
 test-portable: setup
 	bash scripts/test_portable.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests on a deliberately broken build, to see that they catch the break:
 #   scripts/sabotage.sh NAME [pytest arguments]
-# applies tests/sabotage/NAME.patch, runs the tests (default: the paths whose numbers are compared
-# with HF), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
+# applies tests/sabotage/NAME.patch, runs the tests (default: those its first line names, "tests:
+# <pytest arguments>"), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
 # break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
 # Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
 # rows_scaled_1pct, spans_zeroed (every span all zeros: tests/examples/test_notebooks.py must fail on each
@@ -19,9 +19,8 @@ git apply --check "$patch" || exit 2
 git apply "$patch"
 trap 'git apply -R "$patch"' EXIT
 if [ $# -eq 0 ]; then
-    set -- tests/server/test_http_spans_match_hf.py tests/server/test_handles.py tests/server/test_openai.py tests/server/test_engine_inprocess.py \
-        tests/server/test_http_radix_cache.py tests/vlm/test_llava15_parity.py tests/vlm/test_qwen_vl_spans.py tests/server/test_smoke.py \
-        tests/server/test_dsl_programs.py tests/server/test_deployments.py
+    # the patch's first line names the tests that must catch it ("tests: <pytest arguments>")
+    eval "set -- $(sed -n '1s/^tests: //p' "$patch")"
 fi
 if .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; then
     echo "sabotage $patch: the tests PASSED: the break was not caught"

@@ -284,3 +284,6 @@ def test_every_sabotage_patch_still_applies():
     for patch in patches:
         out = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, f"{patch.name} no longer applies: {out.stderr.strip()}"
+        # the tests that must catch it (scripts/sabotage.sh, CI's rotation)
+        first = patch.read_text().split("\n", 1)[0]
+        assert first.startswith("tests: tests/"), f"{patch.name}: its first line must name its tests"
