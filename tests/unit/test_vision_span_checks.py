@@ -64,3 +64,12 @@ def test_an_image_span_not_closed_by_the_vision_end_token_is_refused():
         build_ids(open_span, spec(0))
     with pytest.raises(ValueError, match="followed by the vision-end token"):
         build_ids(image(16)[:2], spec(0))  # the prompt ends with the span
+
+
+def test_qwen3_vl_moe_is_refused_by_name():
+    """Its LLM adds exactly 3 deepstack layers whatever the config says, and it has not run here
+    (docs/vision-encoders.md)."""
+    vision = VisionSpec("qwen3_vl_moe", IMAGE, VIDEO, START, END, 2, None, 3)
+    moe = ModelSpec(hidden_size=16, dtype=torch.float32, vocab_size=600, context_len=256, tokenizer=None, vision=vision)
+    with pytest.raises(ValueError, match=r"spans are not served on qwen3_vl_moe models yet"):
+        build_ids(image(64), moe)
