@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import sglang as sgl
+
 import helpers
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import IMAGE_PLACEHOLDER, VISION_END, VISION_START, hf_qwen_vl, image_rows, qwen_vl_greedy
@@ -50,3 +52,17 @@ def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: 
                                add_special_tokens=add_special_tokens)
     eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
     return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
+
+
+def image_program(before: str, after: str, encoder):
+    """A program asking about ``sgl.image(image)``, or ``sgl.region(region, image)`` when a region
+    is given, between the encoder's vision tokens, with the chat text ``before`` and ``after``."""
+
+    @sgl.function
+    def ask_about(s, image, region):
+        s += before + encoder.vision_start
+        s += sgl.image(image) if region is None else sgl.region(region, image)
+        s += encoder.vision_end + after
+        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+    return ask_about

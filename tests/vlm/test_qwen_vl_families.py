@@ -10,12 +10,11 @@ width, and with them zeroed the answer is not HF's."""
 from __future__ import annotations
 
 import pytest
-import sglang as sgl
 import torch
 
 import helpers
 from sgl_embeds.testing import reference as ref
-from qwen_vl_harness import MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
+from qwen_vl_harness import image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PAD,
@@ -97,12 +96,7 @@ def test_a_program_with_the_client_vision_half_sees_the_image_and_a_box(served):
     before, after = text.split(IMAGE_PLACEHOLDER)
     image = sample_images()["disc"]
 
-    @sgl.function
-    def ask_about(s, image, region):
-        s += before + encoder.vision_start
-        s += sgl.image(image) if region is None else sgl.region(region, image)
-        s += encoder.vision_end + after
-        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+    ask_about = image_program(before, after, encoder)
 
     references = {}
     for name, region in {"image": None, "box": (8, 16, 56, 80)}.items():

@@ -20,7 +20,7 @@ import requests
 import sglang as sgl
 
 import helpers
-from qwen_vl_harness import MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
+from qwen_vl_harness import image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
 from conftest import QWEN_VL_ARGS
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.vlm import load_encoder
@@ -348,12 +348,7 @@ def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(q
     mask[30:60, 20:40] = False  # a ring: not a box
     regions = {"image": None, "box": (8, 16, 56, 80), "mask": mask}
 
-    @sgl.function
-    def ask_about(s, image, region):
-        s += before + encoder.vision_start
-        s += sgl.image(image) if region is None else sgl.region(region, image)
-        s += encoder.vision_end + after
-        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+    ask_about = image_program(before, after, encoder)
 
     references = {}
     for name, region in regions.items():
