@@ -78,19 +78,8 @@ class EmbedsEndpoint(RuntimeEndpoint):
         writer = SpanWriter(self.span_width, wire_format, wire_dtype, HeldSpans() if span_handles else None)
         takes_binary = (send_binary and wire_format == "base64"
                         and info.get("binary_body") == binary_body.CONTENT_TYPE)
-        self.sender = SpanSender(base_url, writer, takes_binary, api_key=api_key, verify=verify)
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
-    @base_url.setter
-    def base_url(self, url: str) -> None:
-        """The server's address, for the stock calls and the span sender alike (a caller may
-        point an endpoint at another worker)."""
-        self._base_url = url
-        if "sender" in vars(self):
-            self.sender.base_url = url
+        # the stock calls' address (RuntimeEndpoint.base_url) is the sender's too
+        self.sender = SpanSender(lambda: self.base_url, writer, takes_binary, api_key=api_key, verify=verify)
 
     @property
     def writer(self) -> SpanWriter:
@@ -116,7 +105,7 @@ class EmbedsEndpoint(RuntimeEndpoint):
             # sgl.embeds and the vision encoders checked these spans' values where they entered
             request = SpanRequest(self.sender, data, "input_segments", prompts, batch, binary,
                                   check_values=False)
-            data.update(request.written(raw_rows=binary))
+            data.update(request.span_fields(raw_rows=binary))
             data["input_segments"] = SpanSegments(data["input_segments"], request)
         elif s.images_ and self.vision_encoder is None:
             super()._add_images(s, data)

@@ -3,7 +3,8 @@
 ``hook_table``: target (see ``sgl_embeds_srt/targets.py`` for the guard of each) -> (hook type,
 our function): the interpreter's (``lang``: every executor's span table, our IR nodes, ``fork``)
 and the post of every stock ``RuntimeEndpoint`` call (``sender``: a body with spans goes through
-its request's sender, which resends it inline on a refused handle). ``install`` checks the client's guards first and refuses a changed SGLang.
+its request's sender, which resends it inline on a refused handle). ``install`` checks the
+client's guards first and refuses a changed SGLang.
 """
 
 from __future__ import annotations

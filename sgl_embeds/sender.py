@@ -56,10 +56,13 @@ class SpanRequest:
         return [s.rows for p in self.prompts for s in (p.segments if isinstance(p, seg.Prompt) else p)
                 if isinstance(s, seg.Span)]
 
+    def span_fields(self, raw_rows: bool) -> dict:
+        """The body's span fields written now (rows tensors with ``raw_rows``: a binary body)."""
+        return self.sender.writer.fields(self.field, self.prompts, self.batch, self.check_values, raw_rows)
+
     def written(self, raw_rows: bool) -> dict:
-        """The body, its span fields written now (rows tensors with ``raw_rows``: a binary body)."""
-        return {**self.fields, **self.sender.writer.fields(self.field, self.prompts, self.batch,
-                                                           self.check_values, raw_rows)}
+        """The whole body, its span fields written now."""
+        return {**self.fields, **self.span_fields(raw_rows)}
 
 
 class SpanSegments(list):
@@ -72,11 +75,12 @@ class SpanSegments(list):
 
 
 class SpanSender:
-    """Sends one endpoint's span requests to ``base_url``."""
+    """Sends one endpoint's span requests to its server: ``base_url()`` gives the endpoint's
+    address as it is now (a caller may point an endpoint at another worker)."""
 
-    def __init__(self, base_url: str, writer: SpanWriter, sends_binary: bool,
+    def __init__(self, base_url: Callable[[], str], writer: SpanWriter, sends_binary: bool,
                  api_key: str | None = None, verify: Any = None) -> None:
-        self.base_url = base_url  # the endpoint's: it moves with it (EmbedsEndpoint.base_url)
+        self.base_url = base_url
         self.writer = writer
         self.sends_binary = sends_binary  # False once something in between refused a binary body
         self.api_key, self.verify = api_key, verify
@@ -114,7 +118,7 @@ class SpanSender:
     def post(self, body: dict, binary: bool) -> Any:
         """``body`` posted to ``/generate``, as JSON as the stock calls post theirs or as a binary
         body (its rows tensors): the response."""
-        url = self.base_url + "/generate"
+        url = self.base_url() + "/generate"
         if not binary:
             return http_request(url, json=body, api_key=self.api_key, verify=self.verify)
         headers = {"Content-Type": binary_body.CONTENT_TYPE}

@@ -17,8 +17,8 @@ rows): chat messages are rendered with the tokenizer's chat template, with a mar
 for each span, and split at the markers. ``completions_body`` / ``chat_body`` give the rewritten
 body and the prompt's rows (``prompt_rows.PromptRows``); the middleware hands both to SGLang's
 own route as the ``stock_request.StockRequest`` being served, and when that route calls
-``TokenizerManager.generate_request``, ``generate_request`` below attaches the rows. Everything else (sampling, streaming, n, stop, logprobs, usage) is SGLang's
-own code.
+``TokenizerManager.generate_request``, ``generate_request`` below attaches the rows. Everything
+else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
 """
 
 from __future__ import annotations

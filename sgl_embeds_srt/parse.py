@@ -6,9 +6,9 @@ them). Each tensor is decoded and checked here, once (``wire.decode_tensor``, th
 the same read as its row digests, ``keys.finite_row_digests``); a
 ``{"handle": ...}`` in its place is looked up in the server's span store, and with
 ``"keep_spans": true`` every span sent inline is held there under its content key. ``SpanReader``
-is the one span decoder: the segment lists here and the chat route's content parts use it. A ``text`` (or, on
-``/v1/completions``, a ``prompt``) that is a gateway routing hint (``keys.routing_text``) is
-dropped. Shapes are checked against the model later, in ``prompts.build_ids``. Every error is a
+is the one span decoder: the segment lists here and the chat route's content parts use it. A
+``text`` (or, on ``/v1/completions``, a ``prompt``) that is a gateway routing hint
+(``keys.routing_text``) is dropped. Shapes are checked against the model later, in ``prompts.build_ids``. Every error is a
 ``ValueError`` (HTTP 400).
 """
 
