@@ -50,10 +50,10 @@ from PIL import Image
 from common import p50, pct, provenance, save, server, table
 from sgl_embeds_srt import keys, prompts, wire
 from sgl_embeds_srt.image_spans import VisionSpec
-from sgl_embeds_srt.segments import Span, Text
+from sgl_embeds_srt.segments import Grid, Span, Text
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir)
-from sgl_embeds.vision import ImageRows
+from sgl_embeds.vision import VisionRows
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
@@ -92,7 +92,7 @@ def ttft(url: str, body: dict) -> float:
     return elapsed
 
 
-def encode_all(encoder: QwenVLEncoder, seeds: list[int]) -> dict[int, tuple[Image.Image, ImageRows, float]]:
+def encode_all(encoder: QwenVLEncoder, seeds: list[int]) -> dict[int, tuple[Image.Image, VisionRows, float]]:
     """Every image of a phase and its rows, computed before the phase's clocks start (encoding
     right before a timed request would leave this process's compute threads spinning beside the
     server's), with each encode time."""
@@ -105,7 +105,7 @@ def encode_all(encoder: QwenVLEncoder, seeds: list[int]) -> dict[int, tuple[Imag
     return out
 
 
-def http_bodies(side: str, image: Image.Image, encoded: ImageRows, url: str) -> list[dict]:
+def http_bodies(side: str, image: Image.Image, encoded: VisionRows, url: str) -> list[dict]:
     """The two questions' bodies for one image on ``side`` (a by-handle span is uploaded here,
     before the clock)."""
     if side == "stock raw image":
@@ -113,8 +113,7 @@ def http_bodies(side: str, image: Image.Image, encoded: ImageRows, url: str) -> 
         image.save(buf, format="PNG")
         data = base64.b64encode(buf.getvalue()).decode()
         return [{"text": chat_text(q), "image_data": data} for q in QUESTIONS]
-    grid = list(encoded.image_grid_thw)
-    inline = {"type": "embeds", "embeds": wire.encode_tensor(encoded.rows), "image_grid_thw": grid}
+    inline = {"type": "embeds", "embeds": wire.encode_tensor(encoded.rows), **encoded.grid.fields()}
     if side == "ours inline":
         return [{"input_segments": span_segments(q, inline)} for q in QUESTIONS]
     upload = requests.post(url + "/sgl_embeds/spans", json={"embeds": inline["embeds"]}, timeout=600)
@@ -175,7 +174,7 @@ def engine_child(model_dir: Path, rounds: int) -> dict:
     try:
         for r, side, seed in plan:
             _, rows, _ = encoded[seed]
-            grid = list(rows.image_grid_thw)
+            grid = list(rows.grid.thw)
             asked = []
             for q in QUESTIONS:
                 if side == "stock precomputed item":
@@ -206,17 +205,17 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
     grid = (1, IMAGE_SIDE // 14, IMAGE_SIDE // 14)
     rows_per_image = grid[1] * grid[2] // 4
     hashed = {"seconds": 0.0, "calls": 0}
-    real_span_handle = prompts.content_key
+    real_keyed = prompts.keyed
 
-    def timed_span_handle(t: torch.Tensor) -> str:
+    def timed_keyed(span: Span) -> Span:
         t0 = time.perf_counter()
         try:
-            return real_span_handle(t)
+            return real_keyed(span)
         finally:
             hashed["seconds"] += time.perf_counter() - t0
             hashed["calls"] += 1
 
-    prompts.content_key = timed_span_handle
+    prompts.keyed = timed_keyed
     out = {}
     try:
         for n in (1, 4, 16):
@@ -224,8 +223,9 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
             segments_inline, segments_handle = [], []
             for i, rows in enumerate(images):
                 text = Text(f"image {i}: {VISION_START}" if i == 0 else f"{VISION_END} image {i}: {VISION_START}")
-                segments_inline += [text, Span(rows, image_grid_thw=grid)]
-                segments_handle += [text, Span(rows, handle=keys.content_key(rows), image_grid_thw=grid)]
+                segments_inline += [text, Span(rows, grid=Grid(grid))]
+                # a span by handle comes out of the server's store keyed (hashed when it was stored)
+                segments_handle += [text, keys.keyed(Span(rows, grid=Grid(grid)))]
             stock, ours = [], {"inline": [], "by handle": []}
             for _ in range(repeats):
                 feature = torch.cat(images)
@@ -240,7 +240,7 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
                       **{f"ours {k}": p50([s for s, _ in v]) * 1e3 for k, v in ours.items()},
                       **{f"ours {k} hash calls": v[-1][1] for k, v in ours.items()}}
     finally:
-        prompts.content_key = real_span_handle
+        prompts.keyed = real_keyed
     return out
 
 

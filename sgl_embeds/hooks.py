@@ -28,12 +28,13 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
 
 
 def install() -> None:
-    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` and hook the frontend (once);
+    """Expose the primitives as ``sgl.embeds`` / ``sgl.region`` / ``sgl.video`` (which keeps
+    stock's for a path) and hook the frontend (once);
     ``targets.ChangedSGLang`` if the installed SGLang differs where the hooks rely on it."""
     targets.check("client")
     if getattr(sgl, "embeds", None) is lang.embeds:
         return
-    sgl.embeds, sgl.region = lang.embeds, lang.region
+    sgl.embeds, sgl.region, sgl.video = lang.embeds, lang.region, lang.video
     for target, (kind, hook) in hook_table().items():
         HookRegistry.register(target, hook, kind)
     HookRegistry.apply_hooks()

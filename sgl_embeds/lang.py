@@ -1,4 +1,5 @@
-"""DSL primitives ``sgl.embeds(x)`` and ``sgl.region(box)``, and their executor hooks.
+"""DSL primitives ``sgl.embeds(x)``, ``sgl.region(box)`` and ``sgl.video(frames, fps)``, and
+their executor hooks.
 
 A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
 characters around a per-program index), with the span kept in the table of the executor's
@@ -22,6 +23,7 @@ import torch
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 from sglang.lang.choices import ChoicesDecision
+from sglang.lang.api import video as _stock_video
 from sglang.lang.ir import SglArgument, SglExpr, SglImage
 
 from sgl_embeds import vision
@@ -32,10 +34,10 @@ from sgl_embeds_srt import wire
 class SglSpan(SglExpr):
     """A span of precomputed embeddings, ``[n, hidden]``: what ``sgl.embeds`` puts in a program."""
 
-    def __init__(self, rows: torch.Tensor, image_grid_thw: tuple[int, int, int] | None = None):
+    def __init__(self, rows: torch.Tensor, grid: seg.Grid | None = None):
         super().__init__()
         self.rows = rows
-        self.image_grid_thw = image_grid_thw  # on M-RoPE VLMs: the image's patch grid [t, h, w]
+        self.grid = grid  # on M-RoPE VLMs: an image's or a clip's (segments.Grid)
 
     def __repr__(self) -> str:
         return f"SglSpan(shape={list(self.rows.shape)})"
@@ -54,17 +56,47 @@ class SglRegion(SglExpr):
         return f"SglRegion(box={self.box})"
 
 
-def embeds(x: Any, image_grid_thw: Any = None) -> SglSpan:
+def embeds(x: Any, image_grid_thw: Any = None, video_grid_thw: Any = None,
+           second_per_grid_t: float | None = None, video_timestamps: Any = None) -> SglSpan:
     """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or
-    ``[hidden]``. ``image_grid_thw`` (t, h, w): on a VLM served natively with M-RoPE (Qwen2.5-VL)
-    the span is an image, with this patch grid before the spatial merge (docs/vision-encoders.md);
-    write it between the vision-start and vision-end tokens."""
-    grid = seg.image_grid(image_grid_thw)
+    ``[hidden]``. On a VLM served natively with M-RoPE (Qwen-VL) a span is an image, with its
+    ``image_grid_thw`` (t, h, w: the patch grid before the spatial merge), or a clip, with its
+    ``video_grid_thw`` and the time its model reads (Qwen2.5-VL ``second_per_grid_t``, Qwen3-VL
+    ``video_timestamps``; docs/vision-encoders.md); write it between the vision-start and
+    vision-end tokens."""
+    grid = seg.Grid.of_fields({seg.IMAGE_GRID: image_grid_thw, seg.VIDEO_GRID: video_grid_thw,
+                               seg.SECONDS_PER_STEP: second_per_grid_t, seg.TIMESTAMPS: video_timestamps})
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
         return SglSpan(x, grid)
     t = wire.as_2d_tensor(x)
     wire.check_tensor(t)
     return SglSpan(t.detach().cpu(), grid)
+
+
+class SglClip(SglExpr):
+    """A clip's embeddings, computed on the client when the program runs (``sgl.video``)."""
+
+    def __init__(self, frames: Any, fps: float, encoder: Callable | None = None):
+        super().__init__()
+        self.frames, self.fps, self.encoder = frames, fps, encoder
+
+    def __repr__(self) -> str:
+        return f"SglClip({len(self.frames)} frames at {self.fps:g} fps)"
+
+
+def video(frames: Any, fps: Any = None, encoder: Callable | None = None) -> Any:
+    """A clip's span: ``frames`` (a list of PIL images of one size, or a ``[t, height, width, 3]``
+    uint8 array), sampled at ``fps`` frames per second, encoded when the program runs by
+    ``encoder`` (default: the backend's ``vision_encoder``; one with ``.clip(frames, fps)``, as
+    ``vlm.QwenVLEncoder``), with its video grid and time. Write it between the vision-start and
+    vision-end tokens, as the chat template writes a video. A path (``str``) is stock SGLang's
+    ``sgl.video(path, num_frames)``, for a server that decodes the file itself."""
+    if isinstance(frames, str):
+        return _stock_video(frames, fps)
+    if fps is None:
+        raise ValueError("sgl.video(frames, fps): give the frames' rate (frames per second)")
+    frames = vision.clip_frames(frames)
+    return SglClip(frames, vision.check_fps(fps), encoder)
 
 
 def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglRegion:
@@ -127,7 +159,7 @@ def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = Non
         encoded = cache.encode(encoder, image, region)
     else:
         encoded = vision.encode_region(image, region, encoder)
-    add_span(executor, seg.Span(encoded.rows, image_grid_thw=encoded.image_grid_thw))
+    add_span(executor, seg.Span(encoded.rows, grid=encoded.grid))
 
 
 def _execute_region(executor: Any, expr: SglRegion) -> None:
@@ -145,6 +177,19 @@ def _execute_region(executor: Any, expr: SglRegion) -> None:
     _add_encoded(executor, encoder, image, expr.box)
 
 
+def _execute_video(executor: Any, expr: SglClip) -> None:
+    encoder = expr.encoder or getattr(executor.backend, "vision_encoder", None)
+    if encoder is None:
+        raise ValueError("sgl.video needs a VisionEncoder with .clip(frames, fps): pass encoder=... or "
+                         "give the backend one")
+    cache = getattr(executor.backend, "encoder_cache", None)
+    if cache is not None:
+        encoded = cache.encode_clip(encoder, expr.frames, expr.fps)
+    else:
+        encoded = vision.encode_clip(expr.frames, expr.fps, encoder)
+    add_span(executor, seg.Span(encoded.rows, grid=encoded.grid))
+
+
 def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
     """AROUND hook of ``StreamExecutor.__init__``: the executor's ``ProgramSpans``, attached before
     its worker thread starts."""
@@ -155,7 +200,9 @@ def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> N
 def execute(original: Callable, self: Any, other: Any) -> Any:
     """AROUND hook of ``StreamExecutor._execute``: our nodes, and images for encoder backends."""
     if isinstance(other, SglSpan):
-        return add_span(self, seg.Span(other.rows, image_grid_thw=other.image_grid_thw))
+        return add_span(self, seg.Span(other.rows, grid=other.grid))
+    if isinstance(other, SglClip):
+        return _execute_video(self, other)
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
     if isinstance(other, SglImage):

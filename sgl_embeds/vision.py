@@ -1,8 +1,8 @@
 """Vision encoders for ``sgl.region`` / ``sgl.image``: boxes, crops, and the open_clip default.
 
-A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``, or ``-> ImageRows`` when
+A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``, or ``-> VisionRows`` when
 the rows carry the image's patch grid (on VLMs with M-RoPE, Qwen2.5-VL: the server places the
-rows by it). ``as_image_rows`` checks either where it enters and gives ``ImageRows``. The default,
+rows by it). ``as_vision_rows`` checks either where it enters and gives ``VisionRows``. The default,
 ``OpenClipEncoder``, is a VLM's front half: an open_clip vision tower followed by a projector to
 the LLM's hidden size (LLaVA-style), with weights loaded from the developer's own checkpoint.
 
@@ -48,19 +48,24 @@ DEFAULT_MEAN_COLOR = (123, 117, 104)
 
 
 @dataclass(frozen=True)
-class ImageRows:
-    """An encoder's rows of one image (or region) and, on M-RoPE VLMs, the image's patch grid
-    ``(t, h, w)`` before the spatial merge, which goes with the span to the server."""
+class VisionRows:
+    """An encoder's rows of one image, region or clip and, on M-RoPE VLMs, its grid
+    (``segments.Grid``: the patch grid ``(t, h, w)`` before the spatial merge, and a clip's
+    time), which goes with the span to the server. A plain ``(t, h, w)`` is an image's grid."""
 
     rows: torch.Tensor  # [n, hidden], on the CPU once checked
-    image_grid_thw: tuple[int, int, int] | None = None
+    grid: seg.Grid | None = None
+
+    def __post_init__(self) -> None:
+        if self.grid is not None and not isinstance(self.grid, seg.Grid):
+            object.__setattr__(self, "grid", seg.Grid(self.grid))
 
 
 class VisionEncoder(Protocol):
     """Optional attributes: ``identity`` (names weights and settings, for ``EncoderCache``),
     ``mean_color`` (fills the outside of a mask) and ``merge_size`` (checks rows against a grid)."""
 
-    def __call__(self, image: Image.Image) -> torch.Tensor | ImageRows:  # rows: [n, hidden]
+    def __call__(self, image: Image.Image) -> torch.Tensor | VisionRows:  # rows: [n, hidden]
         ...
 
 
@@ -159,27 +164,27 @@ def region_image(image: Image.Image, region: Any, encoder: Any) -> Image.Image:
     return crop(image, region)
 
 
-def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> ImageRows:
+def encode_region(image: Image.Image, region: Any, encoder: VisionEncoder) -> VisionRows:
     """``encoder`` applied to the region (a box, a mask, or None for the whole image), checked by
-    ``as_image_rows``."""
+    ``as_vision_rows``."""
     out = encoder(region_image(image, region, encoder))
-    return as_image_rows(out, getattr(encoder, "merge_size", None))
+    return as_vision_rows(out, getattr(encoder, "merge_size", None))
 
 
-def as_image_rows(out: Any, merge_size: int | None = None) -> ImageRows:
-    """An encoder's output (rows, or ``ImageRows``) checked where it enters: rows ``[n, hidden]``,
+def as_vision_rows(out: Any, merge_size: int | None = None) -> VisionRows:
+    """An encoder's output (rows, or ``VisionRows``) checked where it enters: rows ``[n, hidden]``,
     finite, moved to the CPU; a grid ``[t, h, w]`` of positive ints that, when the encoder gives
     its ``merge_size``, accounts for every row (``t*h*w / merge_size**2``)."""
     grid = None
-    if isinstance(out, ImageRows):
-        out, grid = out.rows, seg.image_grid(out.image_grid_thw)
+    if isinstance(out, VisionRows):
+        out, grid = out.rows, out.grid
     t = wire.as_2d_tensor(out)
     wire.check_tensor(t)
-    if grid is not None and merge_size is not None and math.prod(grid) != len(t) * merge_size**2:
-        raise ValueError(f"the encoder gave {len(t)} rows for image_grid_thw {list(grid)}, which "
-                         f"makes t*h*w/merge**2 = {math.prod(grid) / merge_size**2:g} rows "
+    if grid is not None and merge_size is not None and math.prod(grid.thw) != len(t) * merge_size**2:
+        raise ValueError(f"the encoder gave {len(t)} rows for the grid {list(grid.thw)}, which "
+                         f"makes t*h*w/merge**2 = {math.prod(grid.thw) / merge_size**2:g} rows "
                          f"(merge size {merge_size})")
-    return ImageRows(t.detach().cpu(), grid)
+    return VisionRows(t.detach().cpu(), grid)
 
 
 class EncoderCache:
@@ -191,11 +196,11 @@ class EncoderCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.hits = self.misses = 0
-        self._lru: LRU[ImageRows] = LRU(max_bytes, lambda encoded: nbytes(encoded.rows))
+        self._lru: LRU[VisionRows] = LRU(max_bytes, lambda encoded: nbytes(encoded.rows))
         self._encoders: dict[int, Any] = {}  # keeps encoders alive so their ids stay unique
 
     def encode(self, encoder: VisionEncoder, image: Image.Image,
-               region: Any = None) -> ImageRows:
+               region: Any = None) -> VisionRows:
         key = (self._identity(encoder), image_digest(image), _region_key(region, image))
         encoded = self._lru.get(key)
         if encoded is not None:
@@ -203,6 +208,20 @@ class EncoderCache:
             return encoded
         self.misses += 1
         encoded = encode_region(image, region, encoder)
+        self._lru.put(key, encoded)
+        return encoded
+
+    def encode_clip(self, encoder: VisionEncoder, frames: Any, fps: float) -> VisionRows:
+        """``encode_clip`` through the cache: a clip is keyed by its frames' content (their
+        shape and bytes, in order) and its frame rate."""
+        array, fps = clip_frames(frames), check_fps(fps)
+        key = (self._identity(encoder), "clip", array.shape, fps, hashlib.sha256(array.tobytes()).hexdigest())
+        encoded = self._lru.get(key)
+        if encoded is not None:
+            self.hits += 1
+            return encoded
+        self.misses += 1
+        encoded = encode_clip(array, fps, encoder)
         self._lru.put(key, encoded)
         return encoded
 
@@ -220,6 +239,46 @@ class EncoderCache:
     def stats(self) -> dict:
         entries, size = self._lru.sizes()
         return {"hits": self.hits, "misses": self.misses, "entries": entries, "bytes": size}
+
+
+def clip_frames(frames: Any) -> np.ndarray:
+    """A clip's frames as one ``[t, height, width, 3]`` uint8 RGB array: from a list of PIL images
+    of one size, or such an array; ``ValueError`` for anything else."""
+    if isinstance(frames, (list, tuple)):
+        if not frames or not all(isinstance(f, Image.Image) for f in frames):
+            raise ValueError("a clip is a non-empty list of PIL images or a [t, height, width, 3] uint8 array")
+        sizes = {f.size for f in frames}
+        if len(sizes) != 1:
+            raise ValueError(f"a clip's frames must have one size, got {sorted(sizes)}")
+        return np.stack([np.asarray(f.convert("RGB")) for f in frames])
+    if isinstance(frames, torch.Tensor):
+        frames = frames.detach().cpu().numpy()
+    if not isinstance(frames, np.ndarray) or frames.ndim != 4 or frames.shape[-1] != 3 or not frames.shape[0]:
+        raise ValueError("a clip is a non-empty list of PIL images or a [t, height, width, 3] uint8 array, got "
+                         f"{type(frames).__name__} of shape {list(getattr(frames, 'shape', []))}")
+    if frames.dtype != np.uint8:
+        raise ValueError(f"a clip's frames must be uint8 RGB, got {frames.dtype}")
+    return np.ascontiguousarray(frames)
+
+
+def check_fps(fps: Any) -> float:
+    """A clip's frame rate (its frames' rate as given, after any sampling): a finite number > 0."""
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps must be a finite number of frames per second > 0, got {fps!r}")
+    return float(fps)
+
+
+def encode_clip(frames: Any, fps: float, encoder: VisionEncoder) -> VisionRows:
+    """``encoder.clip`` applied to the frames (``clip_frames``) at ``fps``, checked by
+    ``as_vision_rows``: rows and a clip's grid."""
+    clip = getattr(encoder, "clip", None)
+    if clip is None:
+        raise ValueError(f"this encoder ({type(encoder).__name__}) encodes images only: a clip needs one "
+                         "with .clip(frames, fps), such as vlm.QwenVLEncoder")
+    out = as_vision_rows(clip(clip_frames(frames), check_fps(fps)), getattr(encoder, "merge_size", None))
+    if out.grid is None or not out.grid.video:
+        raise ValueError("the encoder's clip() must give VisionRows with a video grid (segments.Grid, video=True)")
+    return out
 
 
 def image_digest(image: Image.Image) -> str:

@@ -89,9 +89,9 @@ class SpanWriter:
                     span = self._span(s.rows, check_values, where, raw_rows)
                     inline |= span.inline
                     out.append({"type": "embeds", "embeds": span.embeds})
-                    if s.image_grid_thw is not None:
-                        out[-1]["image_grid_thw"] = list(s.image_grid_thw)
-                    route.append(span.route + keys.route_grid(s.image_grid_thw))
+                    if s.grid is not None:
+                        out[-1].update(s.grid.fields())
+                    route.append(span.route + keys.route_grid(s.grid))
                 else:
                     out.append(_plain_segment(s, j))
                     route.append(s)

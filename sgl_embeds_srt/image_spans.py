@@ -38,6 +38,7 @@ from sglang.srt.managers.schedule_batch import (
 )
 
 from sgl_embeds_srt.prompt_rows import PromptRows
+from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
 # The VLM families whose image rows we can place exactly (their rope index and embedding path
 # were read and tested against HF); the others are refused by name (docs/vision-encoders.md says
@@ -46,7 +47,7 @@ from sgl_embeds_srt.prompt_rows import PromptRows
 SERVED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
-_IDENTITY_TAG = b"sgl_embeds/image/v3"  # v3: handles of keys.KEY_SCHEME blake3-rows/v3
+_IDENTITY_TAG = b"sgl_embeds/grid/v4"  # v4: images and clips; content keys of blake3-rows/v3
 
 
 @dataclass(frozen=True)
@@ -103,88 +104,159 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """A grid span placed in a prompt: its content key, grid, and first row's position."""
+    """A grid span placed in a prompt (an image, or a clip): its content key, its grid, the runs
+    of positions its rows stand at (first, last; one run, or one per frame of a Qwen3-VL clip,
+    whose frames are written apart with their times between), and ``end``, the position after
+    the ids it placed."""
 
     content_key: str
-    grid: tuple[int, int, int]
-    start: int
-    n_rows: int
+    grid: Grid
+    runs: tuple[tuple[int, int], ...]
+    end: int
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for first, last in self.runs for p in range(first, last + 1)]
 
 
-def check_image_span(grid: tuple[int, int, int] | None, n_rows: int, spec: VisionSpec | None,
-                     before: int | None, where: str) -> None:
+def check_grid_span(grid: Grid | None, n_rows: int, spec: VisionSpec | None, before: int | None,
+                    where: str) -> None:
     """A span's grid against the served model: ``ValueError`` (HTTP 400) naming what is wrong.
     ``before``: the id just before the span (None at the start of the prompt)."""
     if spec is None:
         if grid is not None:
-            raise ValueError(f"{where}image_grid_thw is for VLMs served natively with M-RoPE (Qwen2.5-VL); "
-                             "this model places rows at 1-D positions: send the span without it")
+            raise ValueError(f"{where}{IMAGE_GRID} and {VIDEO_GRID} are for VLMs served natively with M-RoPE "
+                             "(Qwen-VL); this model places rows at 1-D positions: send the span without them")
         return
     if spec.model_type not in SERVED_MODEL_TYPES:
         raise ValueError(f"{where}spans are not served on {spec.model_type} models yet (only "
                          f"{', '.join(SERVED_MODEL_TYPES)}): see docs/vision-encoders.md")
     if grid is None:
         raise ValueError(f"{where}this model ({spec.model_type}) places image rows at M-RoPE positions: "
-                         "give the span its image_grid_thw [t, h, w] (the patch grid before the merge)")
-    t, h, w = grid
-    if t != 1:
-        raise ValueError(f"{where}image_grid_thw {list(grid)}: an image's grid has t = 1 (the image processor "
-                         "repeats a still image over the temporal patch); t > 1 is a video, whose frames "
-                         "need their time positions: video spans are not served yet")
+                         f"give the span its {IMAGE_GRID} [t, h, w] (the patch grid before the merge), or a "
+                         f"clip's {VIDEO_GRID}")
+    name = VIDEO_GRID if grid.video else IMAGE_GRID
+    if not grid.video and grid.thw[0] != 1:
+        raise ValueError(f"{where}{IMAGE_GRID} {list(grid.thw)}: an image's grid has t = 1 (the image processor "
+                         "repeats a still image over the temporal patch); t > 1 is a clip, whose frames need "
+                         f"their time: send it as {VIDEO_GRID} with {_time_wanted(spec)}")
+    if grid.video:
+        _check_video_time(grid, spec, where)
     merge = spec.merge_size
-    if h % merge or w % merge:
-        raise ValueError(f"{where}image_grid_thw {list(grid)}: h and w must be multiples of the merge size {merge}")
-    expected = t * h * w // (merge * merge)
+    if grid.thw[1] % merge or grid.thw[2] % merge:
+        raise ValueError(f"{where}{name} {list(grid.thw)}: h and w must be multiples of the merge size {merge}")
+    expected = grid.n_rows(merge)
     if expected != n_rows:
-        raise ValueError(f"{where}image_grid_thw {list(grid)} makes t*h*w/merge**2 = {expected} rows "
+        raise ValueError(f"{where}{name} {list(grid.thw)} makes t*h*w/merge**2 = {expected} rows "
                          f"(merge size {merge}), but the span has {n_rows}")
     if before != spec.vision_start_token_id:
-        raise ValueError(f"{where}an image span must follow the vision-start token (id "
+        raise ValueError(f"{where}an image or clip span must follow the vision-start token (id "
                          f"{spec.vision_start_token_id}, '<|vision_start|>'), as the chat template writes it; "
                          "without it the rope index would place the rows as text")
 
 
+# The time a clip's span carries, per family, and why (the family's rope index and processor)
+VIDEO_TIME = {
+    "qwen2_vl": None,  # temporal steps 1 position apart, whatever the frame rate
+    "qwen2_5_vl": SECONDS_PER_STEP,  # steps second_per_grid_t * tokens_per_second positions apart
+    "qwen3_vl": TIMESTAMPS,  # each frame after its time as text, "<1.5 seconds>"
+}
+
+
+def _time_wanted(spec: VisionSpec) -> str:
+    wanted = VIDEO_TIME[spec.model_type]
+    return {None: "no time field (its steps are 1 position apart)",
+            SECONDS_PER_STEP: f"{SECONDS_PER_STEP} (seconds per temporal step)",
+            TIMESTAMPS: f"{TIMESTAMPS} (each temporal step's time in seconds)"}[wanted]
+
+
+def _check_video_time(grid: Grid, spec: VisionSpec, where: str) -> None:
+    given = [name for name, value in ((SECONDS_PER_STEP, grid.second_per_grid_t), (TIMESTAMPS, grid.timestamps))
+             if value is not None]
+    wanted = VIDEO_TIME[spec.model_type]
+    if given != ([] if wanted is None else [wanted]):
+        raise ValueError(f"{where}a clip on {spec.model_type} takes {_time_wanted(spec)}; got "
+                         f"{' and '.join(given) or 'no time field'}")
+
+
+def place(content_key: str, grid: Grid, n_rows: int, start: int, spec: VisionSpec,
+          tokenizer: Any) -> tuple[list[int], ImageSpan]:
+    """The ids a checked grid span puts at prompt position ``start`` and where its rows stand: an
+    image's or a Qwen2-VL / Qwen2.5-VL clip's pad token once per row; a Qwen3-VL clip frame by
+    frame, each after its time as text (``<1.5 seconds>``, as its processor and SGLang's write
+    it) and inside its own vision start and end (the span's own pair stays around them)."""
+    if not grid.video:
+        return [spec.image_token_id] * n_rows, ImageSpan(content_key, grid, ((start, start + n_rows - 1),), start + n_rows)
+    if grid.timestamps is None:
+        return [spec.video_token_id] * n_rows, ImageSpan(content_key, grid, ((start, start + n_rows - 1),), start + n_rows)
+    if tokenizer is None:
+        raise ValueError("this server runs without a tokenizer: it cannot write a clip's frame times")
+    per_frame = n_rows // grid.thw[0]
+    ids: list[int] = []
+    runs = []
+    for seconds in grid.timestamps:
+        ids += tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+        ids.append(spec.vision_start_token_id)
+        runs.append((start + len(ids), start + len(ids) + per_frame - 1))
+        ids += [spec.video_token_id] * per_frame + [spec.vision_end_token_id]
+    return ids, ImageSpan(content_key, grid, tuple(runs), start + len(ids))
+
+
 def check_vision_ids(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> None:
     """The prompt's ids as SGLang's rope index will read them: an image or video pad id stands
-    only at an image span's rows (one written in text would be counted as another image, ending
-    in an IndexError or rows at the wrong positions), and every image span is closed by the
+    only at a grid span's rows (one written in text would be counted as another image, ending
+    in an IndexError or rows at the wrong positions), and every grid span is closed by the
     vision-end token, as the chat template writes it. ``ValueError`` (HTTP 400) naming the place."""
-    rows = {p for image in images for p in range(image.start, image.start + image.n_rows)}
+    rows = {p for image in images for p in image.positions}
     pads = {spec.image_token_id: "image pad", spec.video_token_id: "video pad"}
     for position, token in enumerate(ids):
         if token in pads and position not in rows:
-            raise ValueError(f"position {position} holds the {pads[token]} token (id {token}) outside an image "
+            raise ValueError(f"position {position} holds the {pads[token]} token (id {token}) outside a grid "
                              "span: the model's vision tokens stand only where a span's rows are; send the image "
-                             "as a span with its image_grid_thw after the vision-start token, not its pad tokens")
+                             "or clip as a span with its grid after the vision-start token, not its pad tokens")
     for image in images:
-        end = image.start + image.n_rows
-        if end >= len(ids) or ids[end] != spec.vision_end_token_id:
-            raise ValueError(f"the image span at position {image.start} must be followed by the vision-end token "
-                             f"(id {spec.vision_end_token_id}, '<|vision_end|>'), as the chat template writes it")
+        if image.end >= len(ids) or ids[image.end] != spec.vision_end_token_id:
+            raise ValueError(f"the {'clip' if image.grid.video else 'image'} span at position {image.runs[0][0]} "
+                             f"must be followed by the vision-end token (id {spec.vision_end_token_id}, "
+                             "'<|vision_end|>'), as the chat template writes it")
 
 
-def identity(content_key: str, grid: tuple[int, int, int]) -> bytes:
-    """The 32-byte cache identity of an image span: its content key and its grid."""
-    return hashlib.sha256(_IDENTITY_TAG + content_key.encode() + struct.pack("<3q", *grid)).digest()
+def identity(content_key: str, grid: Grid, run: int = 0) -> bytes:
+    """The 32-byte cache identity of a grid span's item: its content key, its whole grid (kind,
+    t, h, w, time) and which of its runs (a Qwen3-VL clip's frame) the item holds."""
+    digest = hashlib.sha256(_IDENTITY_TAG + content_key.encode())
+    digest.update(struct.pack("<?3qdq", grid.video, *grid.thw, grid.second_per_grid_t or 0.0, run))
+    digest.update(struct.pack(f"<{len(grid.timestamps or ())}d", *(grid.timestamps or ())))
+    return digest.digest()
 
 
 def image_inputs(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> MultimodalProcessorOutput:
-    """SGLang's multimodal inputs of a prompt whose image spans are ``images`` (rows not yet
-    attached: the scheduler moves them in, ``handle_generate_request``)."""
+    """SGLang's multimodal inputs of a prompt whose grid spans are ``images`` (rows not yet
+    attached: the scheduler moves them in, ``handle_generate_request``): one item per run of
+    rows (an image, a clip, a Qwen3-VL clip's frame, as SGLang's own processor makes them)."""
     items = []
     for image in images:
-        item = MultimodalDataItem(
-            modality=Modality.IMAGE, format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING,
-            offsets=[(image.start, image.start + image.n_rows - 1)],
-            model_specific_data={"image_grid_thw": torch.tensor([image.grid]), SPAN_ITEM_KEY: True})
-        item.set_identity(identity(image.content_key, image.grid))
-        items.append(item)
+        grid = image.grid
+        for run, (first, last) in enumerate(image.runs):
+            thw = (1, *grid.thw[1:]) if len(image.runs) > 1 else grid.thw
+            key = "video_grid_thw" if grid.video else "image_grid_thw"
+            item = MultimodalDataItem(
+                modality=Modality.VIDEO if grid.video else Modality.IMAGE,
+                format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING, offsets=[(first, last)],
+                model_specific_data={key: torch.tensor([thw]), SPAN_ITEM_KEY: True})
+            item.set_identity(identity(image.content_key, grid, run))
+            items.append(item)
+    stills = [image.grid.thw for image in images if not image.grid.video]
+    clips = [image.grid for image in images if image.grid.video]
+    seconds = [clip.second_per_grid_t for clip in clips]
     positions, delta = MRotaryEmbedding.get_rope_index(
         spatial_merge_size=spec.merge_size, image_token_id=spec.image_token_id,
         video_token_id=spec.video_token_id, vision_start_token_id=spec.vision_start_token_id,
         model_type=spec.model_type, tokens_per_second=spec.tokens_per_second,
         input_ids=torch.tensor([ids], dtype=torch.long),
-        image_grid_thw=torch.tensor([image.grid for image in images]))
+        image_grid_thw=torch.tensor(stills) if stills else None,
+        video_grid_thw=torch.tensor([clip.thw for clip in clips]) if clips else None,
+        second_per_grid_ts=torch.tensor(seconds) if clips and None not in seconds else None)
     return MultimodalProcessorOutput(
         mm_items=items, input_ids=list(ids),
         padded_input_ids=MultimodalProcessorOutput.build_padded_input_ids(ids, items),

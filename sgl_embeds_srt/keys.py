@@ -35,7 +35,7 @@ import torch
 from blake3 import blake3
 
 from sgl_embeds_srt import wire
-from sgl_embeds_srt.segments import Span, Ids, Segment, Text
+from sgl_embeds_srt.segments import Grid, Ids, Segment, Span, Text
 
 try:
     from sgl_embeds_srt import _row_digests as native_rows
@@ -159,10 +159,17 @@ def route_rows(t: torch.Tensor, digests: bytes | None = None) -> str:
     return per_row[:, :ROUTE_CHARS_PER_ROW // 2].tobytes().hex()
 
 
-def route_grid(image_grid_thw: tuple[int, int, int] | None) -> str:
-    """A grid span's grid in the routing hint: the same rows under another grid are another
-    prefix (they share no KV), so they must not look like one to the gateway."""
-    return "" if image_grid_thw is None else "<{}x{}x{}>".format(*image_grid_thw)
+def route_grid(grid: Grid | None) -> str:
+    """A grid span's grid in the routing hint: the same rows under another grid (or a clip's
+    under another time) are another prefix (they share no KV), so they must not look like one to
+    the gateway. An image's is ``<1x4x8>``; a clip's ``<video 2x4x8 ...>`` with its time."""
+    if grid is None:
+        return ""
+    if not grid.video:
+        return "<{}x{}x{}>".format(*grid.thw)
+    time = "" if grid.second_per_grid_t is None else f" {grid.second_per_grid_t!r}s"
+    time += "".join(f" @{t!r}" for t in grid.timestamps or ())
+    return "<video {}x{}x{}{}>".format(*grid.thw, time)
 
 
 def routing_text(segments: Iterable[Segment | str]) -> str:
@@ -177,7 +184,7 @@ def routing_text(segments: Iterable[Segment | str]) -> str:
         elif isinstance(s, Ids):
             parts.append(" ".join(map(str, s.ids)) + " ")
         elif isinstance(s, Span):
-            parts.append(route_rows(s.rows) + route_grid(s.image_grid_thw))
+            parts.append(route_rows(s.rows) + route_grid(s.grid))
     parts.append(ROUTE_TAG)
     return "".join(parts)
 

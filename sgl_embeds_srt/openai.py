@@ -7,9 +7,10 @@ Extension fields (send them with the official client through ``extra_body``):
 * ``/v1/chat/completions``: a content part ``{"type": "input_embeds", "input_embeds": <tensor>}``
   in any message, mixed with text parts; or a top-level ``input_embeds`` (the whole prompt, no
   template). A text part holding a routing hint is dropped. On an M-RoPE VLM (Qwen2.5-VL) a part
-  with ``"image_grid_thw"`` is an image: the chat template renders it as it renders an image
-  content part (``<|vision_start|><|image_pad|><|vision_end|>``) and the span takes the pad's
-  place, so the prompt is the one HF's processor builds for the same images.
+  with ``"image_grid_thw"`` is an image, one with ``"video_grid_thw"`` a clip: the chat template
+  renders it as it renders an image or video content part
+  (``<|vision_start|><|image_pad|><|vision_end|>``) and the span takes the pad's place, so the
+  prompt is the one HF's processor builds for the same images and clips.
 * ``keep_spans`` (both routes): keep the inline spans by handle (``handles.py``).
 
 The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
@@ -22,6 +23,8 @@ else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
 """
 
 from __future__ import annotations
+
+import re
 
 from typing import Any, Callable
 
@@ -77,7 +80,8 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
         out["input_ids"] = ids
         return out, prompt_rows
     spans: list[seg.Span] = []
-    image_parts: list[int] = []  # indices into spans of the parts rendered as the template's images
+    # (index into spans, is a clip) of the parts the template renders as its images and videos
+    vision_parts: list[tuple[int, bool]] = []
     messages, flat_messages = [], []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
@@ -85,18 +89,17 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
             messages.append(m)
             flat_messages.append(m)
             continue
-        parts = []  # text parts (a plain span as its marker) and image parts, for the template
+        parts = []  # text parts (a plain span as its marker), image and video parts, for the template
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not is_routing_text(part.get("text")):
                     parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind == SPAN_PART_TYPE:
-                span = reader.read(part.get(SPAN_PART_TYPE), f"messages[{i}].content[{j}]: ",
-                                   part.get("image_grid_thw"))
-                if span.image_grid_thw is not None and spec.vision is not None:
-                    image_parts.append(len(spans))
-                    parts.append({"type": "image"})
+                span = reader.read(part.get(SPAN_PART_TYPE), f"messages[{i}].content[{j}]: ", part)
+                if span.grid is not None and spec.vision is not None:
+                    vision_parts.append((len(spans), span.grid.video))
+                    parts.append({"type": "video" if span.grid.video else "image"})
                 else:
                     parts.append({"type": "text", "text": seg.marker(len(spans))})
                 spans.append(span)
@@ -104,12 +107,12 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
                 raise ValueError(f"messages[{i}].content[{j}]: content parts with spans may be "
                                  f"'text' or '{SPAN_PART_TYPE}', got {kind!r}")
         flat = "".join(p.get("text", "") for p in parts)
-        has_image = any(p["type"] == "image" for p in parts)
-        messages.append({**m, "content": parts if has_image else flat})
+        has_vision = any(p["type"] != "text" for p in parts)
+        messages.append({**m, "content": parts if has_vision else flat})
         flat_messages.append({**m, "content": seg.strip_markers(flat)})
     rendered = chat_text(spec.tokenizer, messages, body)
-    if image_parts:
-        rendered = _spans_at_image_tokens(rendered, image_parts, spec)
+    if vision_parts:
+        rendered = _spans_at_pad_tokens(rendered, vision_parts, spec)
     segments = _segments_of_chat_text(rendered, spans)
     ids, prompt_rows = prompts.build_ids(segments, spec, specials_first=False)
     out["messages"] = flat_messages
@@ -117,17 +120,25 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
     return out, prompt_rows
 
 
-def _spans_at_image_tokens(rendered: str, image_parts: list[int], spec: prompts.ModelSpec) -> str:
-    """The rendered chat with the n-th image token the template wrote for an image part replaced
-    by the marker of the n-th span with a grid: the template writes what surrounds an image
-    (``<|vision_start|>``, ``<|vision_end|>``, any label), exactly as for a raw image."""
-    image_token = spec.tokenizer.convert_ids_to_tokens(spec.vision.image_token_id)
-    pieces = rendered.split(image_token)
-    if len(pieces) != len(image_parts) + 1:
-        raise ValueError(f"the chat template wrote {len(pieces) - 1} image token(s) "
-                         f"{image_token!r} for {len(image_parts)} input_embeds part(s) with an "
-                         "image_grid_thw: it must render each image content part once")
-    return pieces[0] + "".join(seg.marker(k) + after for k, after in zip(image_parts, pieces[1:]))
+def _spans_at_pad_tokens(rendered: str, vision_parts: list[tuple[int, bool]],
+                         spec: prompts.ModelSpec) -> str:
+    """The rendered chat with each image or video pad token the template wrote for an image or
+    video part replaced, in order, by the marker of that part's span: the template writes what
+    surrounds them (``<|vision_start|>``, ``<|vision_end|>``, any label), exactly as for raw
+    media."""
+    is_clip = {spec.tokenizer.convert_ids_to_tokens(spec.vision.image_token_id): False,
+               spec.tokenizer.convert_ids_to_tokens(spec.vision.video_token_id): True}
+    pieces = re.split("(" + "|".join(map(re.escape, is_clip)) + ")", rendered)
+    written = [is_clip[token] for token in pieces[1::2]]
+    wanted = [clip for _, clip in vision_parts]
+    if written != wanted:
+        def kinds(flags: list[bool]) -> str:
+            return ", ".join("video" if clip else "image" for clip in flags) or "none"
+
+        raise ValueError(f"the chat template wrote the pad tokens of [{kinds(written)}] for the input_embeds "
+                         f"parts with a grid [{kinds(wanted)}]: it must render each image and video "
+                         "content part once, in order")
+    return pieces[0] + "".join(seg.marker(k) + after for (k, _), after in zip(vision_parts, pieces[2::2]))
 
 
 def chat_text(tokenizer: Any, messages: list, body: dict) -> str:

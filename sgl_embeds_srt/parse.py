@@ -20,7 +20,7 @@ from typing import Any
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.keys import finite_row_digests, is_routing_text, keyed
-from sgl_embeds_srt.segments import Span, Ids, Segment, Text, image_grid
+from sgl_embeds_srt.segments import Grid, Ids, Segment, Span, Text
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 # the top-level fields of a span request, which a stock body must not carry
@@ -63,11 +63,11 @@ def decode_span(obj: Any, max_bytes: int, store: SpanStore | None = None, hold: 
     return store.put(span) if hold else span
 
 
-def image_grid_thw(value: Any, where: str) -> tuple[int, int, int] | None:
-    """A span's ``image_grid_thw`` from the wire (``segments.image_grid``), errors naming ``where``
-    (whether it fits the rows and the model is checked in ``prompts.build_ids``)."""
+def grid_of(fields: Any, where: str) -> Grid | None:
+    """The grid written beside a span (``segments.Grid.of_fields`` of a segment or chat part),
+    errors naming ``where`` (whether it fits the rows and the model: ``prompts.build_ids``)."""
     try:
-        return image_grid(value)
+        return Grid.of_fields(fields) if isinstance(fields, dict) else None
     except ValueError as e:
         raise wire.WireError(f"{where}{e}") from None
 
@@ -82,10 +82,11 @@ class SpanReader:
                  hold: bool = False) -> None:
         self.bytes_left, self.store, self.hold = max_bytes, store, hold
 
-    def read(self, value: Any, where: str = "", grid: Any = None) -> Span:
-        """The span of the wire value ``value`` with the grid ``grid`` (as sent; None for a plain
-        span); a ``WireError`` that names ``where``, except ``UnknownSpanHandle`` (a client
-        resends the span inline on it, whatever its place)."""
+    def read(self, value: Any, where: str = "", fields: Any = None) -> Span:
+        """The span of the wire value ``value`` with the grid written in ``fields`` (the segment
+        or chat part that holds it; none for a plain span); a ``WireError`` that names ``where``,
+        except ``UnknownSpanHandle`` (a client resends the span inline on it, whatever its
+        place)."""
         try:
             span = decode_span(value, self.bytes_left, self.store, self.hold)
         except UnknownSpanHandle:
@@ -93,8 +94,8 @@ class SpanReader:
         except wire.WireError as e:
             raise wire.WireError(f"{where}{e}") from None
         self.bytes_left -= span.rows.numel() * 4
-        grid = image_grid_thw(grid, where)
-        return span if grid is None else dataclasses.replace(span, image_grid_thw=grid)
+        grid = grid_of(fields, where)
+        return span if grid is None else dataclasses.replace(span, grid=grid)
 
 
 def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,
@@ -122,7 +123,7 @@ def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,
         elif kind == SPAN_TYPE:
             if SPAN_TYPE not in item:
                 raise wire.WireError(f"segment {i}: an embeds segment needs an 'embeds' field")
-            out.append(reader.read(item[SPAN_TYPE], f"segment {i}: ", item.get("image_grid_thw")))
+            out.append(reader.read(item[SPAN_TYPE], f"segment {i}: ", item))
         else:
             raise wire.WireError(f"segment {i}: unknown type {kind!r} "
                                  "(use text, input_ids or embeds)")

@@ -19,7 +19,7 @@ import torch
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_image_span, check_vision_ids, image_inputs
+from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_srt.keys import keyed
 from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
@@ -63,8 +63,8 @@ class ModelSpec:
 def build_ids(segments: list[Segment], spec: ModelSpec,
               specials_first: bool = True) -> tuple[list[int], PromptRows | None]:
     """Token ids (placeholders at span rows) and the span rows at their positions
-    (``prompt_rows.PromptRows``; None without spans). On an M-RoPE VLM every span is an image
-    (``image_spans.py``): the image token at its rows, and its item in ``PromptRows.images``.
+    (``prompt_rows.PromptRows``; None without spans). On an M-RoPE VLM every span is an image or
+    a clip (``image_spans.py``): its pad token at its rows, and its items in ``PromptRows.images``.
 
     ``specials_first=False`` for prompts that carry their own special tokens (rendered chats)."""
     ids: list[int] = []
@@ -84,20 +84,22 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
             # Values were checked when the span was decoded (or uploaded); here only the width,
             # and finiteness again only if the cast to the model's dtype can overflow.
             spec.check_width(s.rows, f"segment {i}: ")
-            check_image_span(s.image_grid_thw, s.rows.shape[0], spec.vision,
-                             ids[-1] if ids else None, f"segment {i}: ")
+            check_grid_span(s.grid, s.rows.shape[0], spec.vision, ids[-1] if ids else None,
+                            f"segment {i}: ")
             # the content key and row digests of the rows as sent (set where the server decoded
             # the span; computed here for an in-process caller's spans): the digests give the
             # placeholder ids too, unless the rows must be cast
             s = keyed(s)
             if spec.vision is None:
                 t, span_ids = _rows_and_ids(s, spec, i)
+                positions.extend(range(len(ids), len(ids) + len(span_ids)))
                 ids.extend(span_ids)
             else:
                 t = _cast(s, spec, i)
-                images.append(ImageSpan(s.content_key, s.image_grid_thw, len(ids), t.shape[0]))
-                ids.extend([spec.vision.image_token_id] * t.shape[0])
-            positions.extend(range(len(ids) - t.shape[0], len(ids)))
+                span_ids, image = place(s.content_key, s.grid, t.shape[0], len(ids), spec.vision, spec.tokenizer)
+                images.append(image)
+                positions.extend(image.positions)
+                ids.extend(span_ids)
             rows_per_span.append(t)
             content_keys.append(s.content_key)
     if not ids:

@@ -12,9 +12,10 @@ a *marker*: Unicode private-use characters around an index into a table of spans
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Mapping, Union
 
 import torch
 
@@ -32,38 +33,105 @@ class Ids:
     ids: list[int]
 
 
+# A grid's fields on the wire (a span segment's or a chat part's keys beside its rows), HF's names
+IMAGE_GRID, VIDEO_GRID, SECONDS_PER_STEP, TIMESTAMPS = (
+    "image_grid_thw", "video_grid_thw", "second_per_grid_t", "video_timestamps")
+GRID_FIELDS = (IMAGE_GRID, VIDEO_GRID, SECONDS_PER_STEP, TIMESTAMPS)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where an M-RoPE VLM (Qwen-VL) places a span's rows: the patch grid ``(t, h, w)`` before
+    the spatial merge of an image (``t`` = 1) or of a clip (``video``: ``t`` temporal steps of
+    ``temporal_patch_size`` frames each), and a clip's time as its model reads it:
+    ``second_per_grid_t`` (Qwen2.5-VL: seconds per temporal step, which space the steps' rotary
+    positions) or ``timestamps`` (Qwen3-VL: each step's time in seconds, written as text before
+    its frame). Checked here, where it enters; whether it fits the rows and the model is the
+    server's check (``image_spans.check_grid_span``)."""
+
+    thw: tuple[int, int, int]
+    video: bool = False
+    second_per_grid_t: float | None = None
+    timestamps: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        name = VIDEO_GRID if self.video else IMAGE_GRID
+        thw = self.thw
+        if (not isinstance(thw, (list, tuple)) or len(thw) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in thw)):
+            raise ValueError(f"{name} must be [t, h, w] of positive ints, got {thw!r}")
+        object.__setattr__(self, "thw", tuple(int(v) for v in thw))
+        if not self.video and (self.second_per_grid_t is not None or self.timestamps is not None):
+            raise ValueError(f"{SECONDS_PER_STEP} and {TIMESTAMPS} are a clip's time: "
+                             f"give them with {VIDEO_GRID}, not {IMAGE_GRID}")
+        if self.second_per_grid_t is not None:
+            value = self.second_per_grid_t
+            if not _is_number(value) or not value > 0 or not math.isfinite(value):
+                raise ValueError(f"{SECONDS_PER_STEP} must be a finite number of seconds > 0, got {value!r}")
+            object.__setattr__(self, "second_per_grid_t", float(value))
+        if self.timestamps is not None:
+            stamps = self.timestamps
+            if (not isinstance(stamps, (list, tuple)) or len(stamps) != thw[0]
+                    or not all(_is_number(v) and math.isfinite(v) and v >= 0 for v in stamps)):
+                raise ValueError(f"{TIMESTAMPS} must be one time in seconds (finite, >= 0) per temporal "
+                                 f"step: {thw[0]} for {VIDEO_GRID} {list(thw)}, got {stamps!r}")
+            object.__setattr__(self, "timestamps", tuple(float(v) for v in stamps))
+
+    @classmethod
+    def of_fields(cls, fields: Mapping[str, Any]) -> Grid | None:
+        """The grid written in ``fields`` (a span segment or chat part); None where it has none."""
+        image, video = fields.get(IMAGE_GRID), fields.get(VIDEO_GRID)
+        seconds, stamps = fields.get(SECONDS_PER_STEP), fields.get(TIMESTAMPS)
+        if image is not None and video is not None:
+            raise ValueError(f"a span is an image ({IMAGE_GRID}) or a clip ({VIDEO_GRID}), not both")
+        if video is None and image is None:
+            if seconds is not None or stamps is not None:
+                raise ValueError(f"{SECONDS_PER_STEP} and {TIMESTAMPS} are a clip's time: give them "
+                                 f"with its {VIDEO_GRID}")
+            return None
+        if image is not None:
+            return cls(image, second_per_grid_t=seconds, timestamps=stamps)
+        return cls(video, video=True, second_per_grid_t=seconds, timestamps=stamps)
+
+    def fields(self) -> dict[str, Any]:
+        """The grid as a span segment's or a chat part's fields (what ``of_fields`` reads)."""
+        out: dict[str, Any] = {VIDEO_GRID if self.video else IMAGE_GRID: list(self.thw)}
+        if self.second_per_grid_t is not None:
+            out[SECONDS_PER_STEP] = self.second_per_grid_t
+        if self.timestamps is not None:
+            out[TIMESTAMPS] = list(self.timestamps)
+        return out
+
+    def n_rows(self, merge_size: int) -> int:
+        """The rows of a span on this grid: t*h*w / merge**2 (exact when h, w divide by merge)."""
+        return math.prod(self.thw) // (merge_size * merge_size)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Span:
     """A span: ``[n, hidden]`` embedding rows at ``n`` consecutive prompt positions. Frozen: what
     the server learns of it (its content key, its row digests) makes a new ``Span``
-    (``dataclasses.replace``), and the grid is checked here, where it enters."""
+    (``dataclasses.replace``)."""
 
     rows: torch.Tensor  # [n, hidden]
     # keys.content_key of the rows as sent: set where the server decodes or holds them
     content_key: str | None = None
     row_digests: bytes | None = None  # keys.row_digests of the rows, set where the server decodes them
-    # an image's patch grid [t, h, w] before the spatial merge, on M-RoPE VLMs (image_spans.py)
-    image_grid_thw: tuple[int, int, int] | None = None
+    grid: Grid | None = None  # an image's or a clip's, on M-RoPE VLMs (image_spans.py)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "image_grid_thw", image_grid(self.image_grid_thw))
+        if self.grid is not None and not isinstance(self.grid, Grid):
+            raise TypeError(f"Span.grid is a segments.Grid, got {type(self.grid).__name__}")
 
     def __len__(self) -> int:
         return self.rows.shape[0]
 
 
 Segment = Union[Text, Ids, Span]
-
-
-def image_grid(value: object) -> tuple[int, int, int] | None:
-    """A ``Span.image_grid_thw`` as given (None when absent): ``[t, h, w]`` of positive ints,
-    else ``ValueError``; whether it fits the rows and the model is the server's check."""
-    if value is None:
-        return None
-    if (not isinstance(value, (list, tuple)) or len(value) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise ValueError(f"image_grid_thw must be [t, h, w] of positive ints, got {value!r}")
-    return int(value[0]), int(value[1]), int(value[2])
 
 
 @dataclass

@@ -1,33 +1,37 @@
-"""Image spans on the natively served Qwen-VL families (``vlm/test_qwen_vl_spans.py``,
-``vlm/test_qwen_vl_families.py``): a chat prompt with image placeholders, its image spans between
-the vision tokens, a request with output logprobs, and the comparison with HF's own class on the
-pixels."""
+"""Image and clip spans on the natively served Qwen-VL families (``vlm/test_qwen_vl_spans.py``,
+``vlm/test_qwen_vl_families.py``, ``vlm/test_qwen_vl_video.py``): a chat prompt with image and
+video placeholders, its grid spans between the vision tokens, a request with output logprobs, and
+the comparison with HF's own class on the pixels and frames."""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import sglang as sgl
 
 import helpers
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import IMAGE_PLACEHOLDER, VISION_END, VISION_START, hf_qwen_vl, image_rows, qwen_vl_greedy
+from sgl_embeds.testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, clip_rows,
+                                       hf_qwen_vl, image_rows, qwen_vl_greedy)
 
 MAX_TOKENS = 10
 MIN_COMPARED = 8
 
 
-def chat_text(checkpoint, question: str, n_images: int) -> str:
-    """The chat-template prompt of ``n_images`` images then a question (unexpanded placeholders)."""
+def chat_text(checkpoint, question: str, n_images: int, media: tuple[str, ...] = ()) -> str:
+    """The chat-template prompt of ``n_images`` images (or the parts ``media``, each "image" or
+    "video", in order) then a question (unexpanded placeholders)."""
     _, processor = hf_qwen_vl(str(checkpoint))
-    content = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    content = [{"type": kind} for kind in media or ["image"] * n_images] + [{"type": "text", "text": question}]
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
 
 
 def span_segments(text: str, spans: list[dict]) -> list[dict]:
-    """``text`` with each image placeholder replaced by the vision tokens around a grid span."""
-    parts = text.split(IMAGE_PLACEHOLDER)
+    """``text`` with each image or video placeholder replaced by the vision tokens around a grid
+    span, in order."""
+    parts = re.split("|".join(map(re.escape, (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER))), text)
     assert len(parts) == len(spans) + 1, text
     texts = [parts[0] + VISION_START] + [VISION_END + p + VISION_START for p in parts[1:-1]] + [VISION_END + parts[-1]]
     segments = [helpers.text(texts[0])]
@@ -41,15 +45,21 @@ def grid_span(checkpoint, image) -> dict:
     return {**helpers.span(rows), "image_grid_thw": list(grid)}
 
 
+def clip_span(checkpoint, frames, fps: float) -> dict:
+    rows, fields = clip_rows(checkpoint, frames, fps)
+    return {**helpers.span(rows), **fields}
+
+
 def ask(server, segments: list[dict], **extra) -> dict:
     return helpers.generate(server, helpers.body(segments, MAX_TOKENS, return_logprob=True, **extra))
 
 
 def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
-                      add_special_tokens: bool = True) -> list[int]:
-    """Our tokens equal HF's on the pixels (near-tie rule), and their logprobs too."""
+                      add_special_tokens: bool = True, clips: list = ()) -> list[int]:
+    """Our tokens equal HF's on the pixels and frames (``clips``: ``(frames, fps)``; near-tie
+    rule), and their logprobs too."""
     greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
-                               add_special_tokens=add_special_tokens)
+                               add_special_tokens=add_special_tokens, clips=clips)
     eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
     return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
 

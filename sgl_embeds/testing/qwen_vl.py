@@ -22,21 +22,24 @@ import torch
 from sgl_embeds.testing.models import _build_atomically, cache_dir, train_tokenizer
 from sgl_embeds.testing.reference import Greedy, _greedy_from_scores
 
-QWEN_VL_CACHE_VERSION = "v3"
+QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VISION_SPECIALS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-# What one image becomes in a prompt before the processor expands the pad to t*h*w/merge**2.
+# What one image (one clip) becomes in a prompt before the processor expands the pad to
+# t*h*w/merge**2 (a Qwen3-VL clip: frame by frame, each after its time).
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
 QWEN3_PATCH = 16  # Qwen3-VL's patch size
 FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
-# The Qwen chat format, with an image content part rendered as the placeholder.
+# The Qwen chat format, with an image (a video) content part rendered as its placeholder.
 QWEN_VL_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "{% else %}{{ part['text'] }}{% endif %}"
+    "{% if part['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "{% elif part['type'] == 'video' %}"
+    + VIDEO_PLACEHOLDER + "{% else %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -208,24 +211,32 @@ def hf_qwen_vl(checkpoint: str):
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
-def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list, add_special_tokens: bool = True) -> dict:
-    """What HF's processor builds for ``text`` (one ``IMAGE_PLACEHOLDER`` per image): the pad
-    expanded to t*h*w/merge**2 tokens, ``pixel_values`` and ``image_grid_thw``.
+def qwen_vl_inputs(checkpoint: str | Path, text: str, images: list, add_special_tokens: bool = True,
+                   clips: list = ()) -> dict:
+    """What HF's processor builds for ``text`` (one ``IMAGE_PLACEHOLDER`` per image, one
+    ``VIDEO_PLACEHOLDER`` per clip): the pads expanded, ``pixel_values`` and ``image_grid_thw``,
+    and for ``clips`` (``(frames, fps)``: all frames used, sampled at ``fps``) the videos' too.
     ``add_special_tokens=False`` for a rendered chat, as ``apply_chat_template`` tokenizes it."""
     _, processor = hf_qwen_vl(str(checkpoint))
+    videos = {}
+    if clips:
+        videos = dict(videos=[frames for frames, _ in clips], do_sample_frames=False,
+                      video_metadata=[{"fps": fps, "total_num_frames": len(frames),
+                                       "frames_indices": list(range(len(frames)))} for frames, fps in clips])
     return dict(processor(text=[text], images=images or None, return_tensors="pt",
-                          add_special_tokens=add_special_tokens))
+                          add_special_tokens=add_special_tokens, **videos))
 
 
 @torch.no_grad()
 def qwen_vl_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
-                   prefix: list[int] = (), add_special_tokens: bool = True) -> Greedy:
+                   prefix: list[int] = (), add_special_tokens: bool = True, clips: list = ()) -> Greedy:
     """HF's Qwen-VL ``generate`` (float32, greedy) after ``text`` +
-    ``prefix``, for ``reference.check_greedy`` (``add_special_tokens``: see ``qwen_vl_inputs``)."""
+    ``prefix``, for ``reference.check_greedy`` (``add_special_tokens``, ``clips``: see
+    ``qwen_vl_inputs``)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
     model, _ = hf_qwen_vl(str(checkpoint))
-    inputs = qwen_vl_inputs(checkpoint, text, images, add_special_tokens)
+    inputs = qwen_vl_inputs(checkpoint, text, images, add_special_tokens, clips)
     if prefix:  # text tokens after the prompt: M-RoPE continues them from the prompt's last position
         extra = torch.tensor([list(prefix)])
         inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
@@ -255,6 +266,45 @@ def image_rows(checkpoint: str | Path, image) -> tuple[torch.Tensor, tuple[int, 
     (rows,) = features.pooler_output
     deepstack = [layer[0] for layer in getattr(features, "deepstack_features", None) or []]
     return torch.cat([rows, *deepstack], dim=1).float(), tuple(grid)
+
+
+@torch.no_grad()
+def clip_rows(checkpoint: str | Path, frames, fps: float) -> tuple[torch.Tensor, dict]:
+    """The rows HF's Qwen-VL model puts at a clip's pad tokens (``get_video_features``, frame
+    after frame; Qwen3-VL's deepstack rows after the main ones along the width) and the clip's
+    span fields: ``video_grid_thw`` and the time HF's processor uses (Qwen2.5-VL
+    ``second_per_grid_t``, temporal patch / fps; Qwen3-VL ``video_timestamps``, from its
+    processor's own ``_calculate_timestamps``). ``frames``: ``[n, height, width, 3]`` uint8, all
+    used, sampled at ``fps``."""
+    model, processor = hf_qwen_vl(str(checkpoint))
+    videos = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+    (grid,) = videos["video_grid_thw"].tolist()
+    features = model.get_video_features(videos["pixel_values_videos"], videos["video_grid_thw"])
+    rows = torch.cat([features.pooler_output[0], *[layer[0] for layer in getattr(features, "deepstack_features", None) or []]], dim=1)
+    fields = {"video_grid_thw": grid}
+    temporal_patch = processor.video_processor.temporal_patch_size
+    if model.config.model_type == "qwen2_5_vl":
+        fields["second_per_grid_t"] = temporal_patch / fps
+    elif model.config.model_type == "qwen3_vl":
+        fields["video_timestamps"] = processor._calculate_timestamps(list(range(len(frames))), fps, temporal_patch)
+    return rows.float(), fields
+
+
+def sample_clip(n_frames: int, width: int, height: int, seed: int = 0):
+    """``[n_frames, height, width, 3]`` uint8: a square of one colour moving across a background
+    of another (colours and path drawn from ``seed``), so that each frame, and their order, differ."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    background, square = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+    side = max(4, min(width, height) // 2)
+    frames = np.empty((n_frames, height, width, 3), np.uint8)
+    frames[:] = background
+    for i in range(n_frames):
+        x = (i * (width - side)) // max(1, n_frames - 1)
+        y = int(rng.integers(0, height - side + 1))
+        frames[i, y:y + side, x:x + side] = square
+    return frames
 
 
 def poisoned_vision_dir(checkpoint: Path) -> Path:

@@ -3,7 +3,7 @@ image's rows and its grid, as HF's own model computes them.
 
 ``QwenVLEncoder(DIR)`` (also ``load_encoder(DIR)``) reads a ``Qwen2VLForConditionalGeneration``,
 ``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration`` directory as
-transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``, ``ImageRows``:
+transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``, ``VisionRows``:
 the rows HF's ``get_image_features`` puts at the image's pad tokens (``[t*h*w / merge**2,
 width]``, float32 on the CPU, in HF's order) and the grid ``(t, h, w)`` the server places them by
 (M-RoPE). On Qwen3-VL the width holds, after the image's rows, the rows of each deepstack layer
@@ -23,9 +23,10 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, AutoVideoProcessor
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
@@ -35,7 +36,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-from sgl_embeds.vision import ImageRows, load_state
+from sgl_embeds.vision import VisionRows, load_state
+from sgl_embeds_srt.segments import Grid
 from sgl_embeds.vlm.checkpoint import Tensors, weight_index
 from sgl_embeds.vlm.pixels import BACKENDS
 
@@ -88,6 +90,10 @@ class QwenVLEncoder:
         # what a prompt writes around the span, and the pad the chat template puts between them
         self.vision_start, self.vision_end, self.image_token = tokens
 
+        # clips (``clip``): the checkpoint's own video processor, loaded when first needed
+        self._checkpoint, self._video_processor = checkpoint, None
+        self.temporal_patch_size: int = config.vision_config.temporal_patch_size
+
         weights = visual_weights(checkpoint)
         self.dtype = dtype
         self.tower = TOWERS[found](config.vision_config).to(dtype)
@@ -125,9 +131,38 @@ class QwenVLEncoder:
         deepstack = list(getattr(out, "deepstack_features", None) or [])
         return torch.cat([out.pooler_output, *deepstack], dim=1).float().cpu()
 
-    def __call__(self, image: Image.Image) -> ImageRows:
+    def __call__(self, image: Image.Image) -> VisionRows:
         pixel_values, grid = self.pixel_values(image)
-        return ImageRows(self.features(pixel_values, grid), grid)
+        return VisionRows(self.features(pixel_values, grid), Grid(grid))
+
+    def clip(self, frames: np.ndarray, fps: float) -> VisionRows:
+        """A clip's rows (``[t*h*w / merge**2, width]``, frame after frame, as HF's
+        ``get_video_features`` gives them) and its video grid with the time the family reads:
+        ``frames`` ``[n, height, width, 3]`` uint8 (``vision.clip_frames``), sampled at ``fps``
+        frames per second. The checkpoint's video processor groups ``temporal_patch_size``
+        frames per temporal step (the last one repeated to fill a step)."""
+        if self._video_processor is None:
+            self._video_processor = AutoVideoProcessor.from_pretrained(self._checkpoint)
+        out = self._video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+        (thw,) = out["video_grid_thw"].tolist()
+        rows = self.features(out["pixel_values_videos"], tuple(thw))
+        return VisionRows(rows, Grid(tuple(thw), video=True, **clip_time(self.model_type, len(frames), fps,
+                                                                         self.temporal_patch_size)))
+
+
+def clip_time(model_type: str, n_frames: int, fps: float, temporal_patch: int) -> dict:
+    """A clip's time as the family's processor writes it (``segments.Grid`` fields): Qwen2.5-VL
+    ``second_per_grid_t`` = seconds per temporal step; Qwen3-VL ``timestamps``, each step's
+    time: the mean of its first and last frame's (the last frame repeated to fill a step);
+    Qwen2-VL none (its steps are 1 position apart)."""
+    if model_type == "qwen2_5_vl":
+        return {"second_per_grid_t": temporal_patch / fps}
+    if model_type == "qwen3_vl":
+        frames = list(range(n_frames)) + [n_frames - 1] * (-n_frames % temporal_patch)
+        seconds = [frame / fps for frame in frames]  # HF's order of operations, for its rounding
+        return {"timestamps": tuple((seconds[i] + seconds[i + temporal_patch - 1]) / 2
+                                    for i in range(0, len(seconds), temporal_patch))}
+    return {}
 
 
 def _check_processor(processor: object, vision_config: object) -> None:

@@ -21,9 +21,10 @@ import helpers
 import sgl_embeds
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import FACTOR, IMAGE_PLACEHOLDER, hf_qwen_vl, image_rows
-from sgl_embeds.vision import EncoderCache, ImageRows, as_image_rows, encode_region
+from sgl_embeds.vision import EncoderCache, VisionRows, as_vision_rows, encode_region
 from sgl_embeds.vlm import QwenVLEncoder, image_prompt, load_encoder, render_chat
 from sgl_embeds_srt import segments as seg
+from sgl_embeds_srt.segments import Grid
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness
@@ -65,11 +66,11 @@ def pads_in_prompt(processor, image) -> int:
     return int((ids == processor.tokenizer.convert_tokens_to_ids(processor.image_token)).sum())
 
 
-def assert_same_rows(ours: ImageRows, expected: tuple[torch.Tensor, tuple[int, int, int]]) -> None:
+def assert_same_rows(ours: VisionRows, expected: tuple[torch.Tensor, tuple[int, int, int]]) -> None:
     """The grid and the rows are HF's to the bit: the encoder runs HF's own module on the same
     single image, in float32 (the same operations on the same shapes)."""
     rows, grid = expected
-    assert ours.image_grid_thw == grid
+    assert ours.grid == Grid(grid)
     ref.assert_same_rows(ours.rows, rows, "rows")
 
 
@@ -147,7 +148,7 @@ def test_the_checkpoints_min_and_max_pixels_are_honoured(qwen_vl_dir, tmp_path, 
         want = processor.image_processor(images=[image], return_tensors="pt")
         pixel_values, grid = encoder.pixel_values(image)
         assert grid == tuple(want["image_grid_thw"][0].tolist())
-        assert grid != encoders["torchvision"](image).image_grid_thw, (w, h)
+        assert grid != encoders["torchvision"](image).grid.thw, (w, h)
         assert torch.equal(pixel_values, want["pixel_values"])
         assert 16 <= encoder.rows_for(w, h) == pads_in_prompt(processor, image) <= 40
         assert_same_rows(encoder(image), hf_rows(qwen_vl_dir, processor.image_processor, image))
@@ -214,7 +215,7 @@ def test_the_cache_keeps_the_grid_and_regions_are_encoded_as_hf_would(qwen_vl_di
     seen[~mask[30:90, 40:100]] = [round(m * 255) for m in mean]
     masked = cache.encode(encoder, image, mask)
     assert_same_rows(masked, image_rows(qwen_vl_dir, Image.fromarray(seen)))
-    assert masked.image_grid_thw != first.image_grid_thw and cache.misses == 3
+    assert masked.grid != first.grid and cache.misses == 3
 
 
 def test_a_program_puts_image_and_region_spans_with_their_grids(qwen_vl_dir, encoders):
@@ -232,7 +233,7 @@ def test_a_program_puts_image_and_region_spans_with_their_grids(qwen_vl_dir, enc
     assert sent[0].text.endswith("<|vision_start|>") and sent[2].text.startswith("<|vision_end|>")
     for span, seen in ((sent[1], image), (sent[3], image.crop((0, 0, 100, 80)))):
         rows, grid = image_rows(qwen_vl_dir, seen)
-        assert span.image_grid_thw == grid and torch.equal(span.rows, rows)
+        assert span.grid == Grid(grid) and torch.equal(span.rows, rows)
 
     # the checkpoint's chat template writes the pad between the vision tokens: image_prompt puts
     # the span there
@@ -247,16 +248,16 @@ def test_a_program_puts_image_and_region_spans_with_their_grids(qwen_vl_dir, enc
     (final,) = sgl_embeds.compile_program(chat, vision_encoder=encoder, image=image)
     assert final[0] == seg.Text(before + "<|vision_start|>")
     assert final[2] == seg.Text("<|vision_end|>" + after)
-    assert final[1].image_grid_thw == image_rows(qwen_vl_dir, image)[1]
+    assert final[1].grid == Grid(image_rows(qwen_vl_dir, image)[1])
 
 
 class _GridRows:
-    """An encoder that returns fixed ``ImageRows`` and says its merge size."""
+    """An encoder that returns fixed ``VisionRows`` and says its merge size."""
 
     merge_size = 2
 
     def __init__(self, rows, grid):
-        self.out = ImageRows(rows, grid)
+        self.out = VisionRows(rows, grid)
 
     def __call__(self, image):
         return self.out
@@ -265,12 +266,12 @@ class _GridRows:
 def test_a_grid_is_checked_where_it_enters():
     image = helpers.random_image(32, 32)
     encoded = encode_region(image, None, _GridRows(torch.ones(8, 4), [1, 4, 8]))
-    assert encoded.image_grid_thw == (1, 4, 8) and isinstance(encoded.image_grid_thw, tuple)
-    with pytest.raises(ValueError, match=r"gave 8 rows for image_grid_thw \[1, 4, 4\].* = 4 rows"):
+    assert encoded.grid == Grid((1, 4, 8)) and isinstance(encoded.grid.thw, tuple)
+    with pytest.raises(ValueError, match=r"gave 8 rows for the grid \[1, 4, 4\].* = 4 rows"):
         encode_region(image, None, _GridRows(torch.ones(8, 4), (1, 4, 4)))
     with pytest.raises(ValueError, match="must be \\[t, h, w\\] of positive ints"):
         encode_region(image, None, _GridRows(torch.ones(8, 4), (4, 8)))
     with pytest.raises(ValueError, match="NaN or Inf"):
         encode_region(image, None, _GridRows(torch.full((8, 4), float("nan")), (1, 4, 8)))
-    bare = as_image_rows(torch.ones(3, 4))  # a bare tensor: rows without a grid
-    assert bare.image_grid_thw is None and bare.rows.shape == (3, 4)
+    bare = as_vision_rows(torch.ones(3, 4))  # a bare tensor: rows without a grid
+    assert bare.grid is None and bare.rows.shape == (3, 4)

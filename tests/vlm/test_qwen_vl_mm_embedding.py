@@ -20,6 +20,7 @@ from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, Mul
 from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
 from sgl_embeds_srt import image_spans  # noqa: E402
+from sgl_embeds_srt.segments import Grid  # noqa: E402
 
 HIDDEN, VOCAB, IMAGE_TOKEN = 64, 100, 11
 PATCH_WIDTH = 1176  # Qwen2.5-VL's raw patch width: its get_image_feature runs the tower on these
@@ -43,7 +44,8 @@ def span_item(rows: torch.Tensor, start: int, key: str) -> MultimodalDataItem:
     spec = image_spans.VisionSpec("qwen2_5_vl", IMAGE_TOKEN, IMAGE_TOKEN + 1, IMAGE_TOKEN - 1, IMAGE_TOKEN + 2, 2, 2)
     ids = [1] * start + [IMAGE_TOKEN] * rows.shape[0] + [1]
     ids[start - 1] = spec.vision_start_token_id
-    (item,) = image_spans.image_inputs(ids, [image_spans.ImageSpan(key, (1, 2, 2 * rows.shape[0]), start, rows.shape[0])],
+    (item,) = image_spans.image_inputs(ids, [image_spans.ImageSpan(key, Grid((1, 2, 2 * rows.shape[0])), ((start, start + rows.shape[0] - 1),),
+                                                              start + rows.shape[0])],
                                        spec).mm_items
     item.feature = rows
     return item
@@ -53,7 +55,7 @@ def raw_item(pixels: torch.Tensor, start: int, key: str) -> MultimodalDataItem:
     rows = pixels.shape[0] // 4
     item = MultimodalDataItem(modality=Modality.IMAGE, offsets=[(start, start + rows - 1)], feature=pixels,
                               model_specific_data={"image_grid_thw": torch.tensor([[1, 2, 2 * rows]])})
-    item.set_identity(image_spans.identity(key, (1, 2, 2 * rows)))
+    item.set_identity(image_spans.identity(key, Grid((1, 2, 2 * rows))))
     return item
 
 
