@@ -10,7 +10,8 @@
 # that does not say where the id stands), and breaks of the LLaVA-NeXT / OneVision vision half
 # (anyres_*, siglip_*), and of Qwen3-VL spans: deepstack_layers_swapped (each deepstack layer's rows
 # added one layer off), mrope_not_interleaved (the tiny Qwen3-VL's config: SGLang then applies M-RoPE
-# unlike HF).
+# unlike HF), and of clip spans: clip_time_dropped (a Qwen2.5-VL clip's steps spaced without its
+# seconds), clip_frames_reversed (a clip's temporal steps in reverse order).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -109,7 +109,7 @@ def test_a_program_with_the_client_vision_half_sees_the_image_and_a_box(served):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda s: {**s, "image_grid_thw": [2, 4, 4]}, "t > 1 is a video"),
+    (lambda s: {**s, "image_grid_thw": [2, 4, 4]}, "t > 1 is a clip"),
     (lambda s: {**s, "image_grid_thw": [1, 4, 4]}, "makes t*h*w/merge**2 = 4 rows"),
 ])
 def test_a_bad_grid_is_a_400_that_says_which(served, change, message):

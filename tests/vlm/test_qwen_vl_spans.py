@@ -116,7 +116,7 @@ def test_a_span_not_after_the_vision_start_token_is_a_400(qwen_vl_spans_server, 
 def test_a_grid_on_a_text_model_is_a_400(llama_server):
     rows = helpers.seeded_rows(0, 8)
     res = llama_server.generate(helpers.body([{**helpers.span(rows), "image_grid_thw": [1, 4, 8]}]))
-    assert res.status_code == 400 and "image_grid_thw is for VLMs" in res.json()["message"], res.text
+    assert res.status_code == 400 and "image_grid_thw and video_grid_thw are for VLMs" in res.json()["message"], res.text
 
 
 def test_the_poisoned_tower_really_is_poisoned(qwen_vl_spans_server, qwen_vl_dir):

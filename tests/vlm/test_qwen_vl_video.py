@@ -1,0 +1,187 @@
+"""Clip spans on the natively served Qwen-VL families: a clip's rows (HF's ``get_video_features``,
+frame after frame; Qwen3-VL's deepstack rows along the width) with its ``video_grid_thw`` and the
+time its family reads (Qwen2.5-VL ``second_per_grid_t``, Qwen3-VL ``video_timestamps``, Qwen2-VL
+none) between the vision tokens. The server's greedy tokens and logprobs equal HF's own class on
+the frames (float32) for clips of 4 and 8 frames at two sizes and two frame rates; the servers'
+vision weights are NaN, so an exact answer proves the tower never ran. The clip sizes keep a
+Qwen2.5-VL clip's time extent below its width: past it, HF 5.19 starts the text after a clip at
+another position than SGLang's rope index (and the original Qwen code) do (docs/vision-encoders.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+import helpers
+import sgl_embeds
+from qwen_vl_harness import MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
+from sgl_embeds.testing.qwen_vl import (
+    VIDEO_PLACEHOLDER,
+    clip_rows,
+    hf_qwen_vl,
+    qwen_vl_greedy,
+    qwen_vl_inputs,
+    sample_clip,
+    sample_images,
+    tiny_qwen2_5_vl_dir,
+    tiny_qwen2_vl_dir,
+    tiny_qwen3_vl_dir,
+)
+from sgl_embeds.vlm import load_encoder
+from sgl_embeds_srt import wire
+
+pytestmark = pytest.mark.server
+# server -> (checkpoint, frame sizes (width, height), the seed of the clips): seeds whose clips
+# give HF answers of several distinct tokens that differ from clip to clip (measured)
+FAMILIES = {"qwen_vl_spans": (tiny_qwen2_5_vl_dir, ((224, 56), (112, 56)), 1),
+            "qwen3_vl_spans": (tiny_qwen3_vl_dir, ((128, 64), (64, 128)), 1),
+            "qwen2_vl_spans": (tiny_qwen2_vl_dir, ((224, 56), (112, 56)), 7)}
+OTHER_SEED = 14  # another clip, whose answers are varied on every family (measured)
+TIMED = ["qwen_vl_spans", "qwen3_vl_spans"]  # the families whose clips carry their time
+
+
+@pytest.fixture(scope="module", params=helpers.pooled(FAMILIES))
+def family(request):
+    """(server name, checkpoint, frame sizes, seed) of one family."""
+    make, sizes, seed = FAMILIES[request.param]
+    return request.param, make(), sizes, seed
+
+
+@pytest.fixture
+def served(family, servers):
+    """(checkpoint, its running server, frame sizes, seed)."""
+    name, checkpoint, sizes, seed = family
+    return checkpoint, servers.get(name)[0], sizes, seed
+
+
+def video_text(checkpoint, question: str = "what happens in the video") -> str:
+    return chat_text(checkpoint, question, 0, media=("video",))
+
+
+def test_a_clip_equals_hf_on_its_frames_at_two_lengths_sizes_and_rates(served):
+    checkpoint, server, (wide, small), seed = served
+    text = video_text(checkpoint)
+    references = {}
+    for frames, size, fps in ((4, wide, 2.0), (8, wide, 2.0), (8, small, 4.0), (4, small, 4.0)):
+        clip = (sample_clip(frames, *size, seed=seed), fps)
+        label = f"{frames} frames of {size[0]}x{size[1]} at {fps:g} fps"
+        out = ask(server, span_segments(text, [clip_span(checkpoint, *clip)]))
+        references[label] = assert_matches_hf(out, checkpoint, text, [], label, clips=[clip])
+        hf_prompt = qwen_vl_inputs(checkpoint, text, [], clips=[clip])["input_ids"][0]
+        assert out["meta_info"]["prompt_tokens"] == len(hf_prompt), label
+    assert len({tuple(r) for r in references.values()}) == len(references), f"clips must change HF: {references}"
+
+
+@pytest.mark.parametrize("name", helpers.pooled(TIMED))
+def test_the_frame_rate_changes_the_answer_and_a_clip_without_its_time_is_a_400(name, servers):
+    """The same frames at 2 and at 4 fps: Qwen2.5-VL spaces the steps' rotary positions by the
+    seconds, Qwen3-VL writes other times; ours equals HF at both. Without the time field the
+    server refuses the clip, naming the field. (Qwen2-VL reads no time: its steps are 1 position
+    apart.)"""
+    make, (wide, _), seed = FAMILIES[name]
+    checkpoint, server = make(), servers.get(name)[0]
+    text = video_text(checkpoint)
+    frames = sample_clip(8, *wide, seed=seed)
+    answers = {}
+    for fps in (2.0, 4.0):
+        out = ask(server, span_segments(text, [clip_span(checkpoint, frames, fps)]))
+        answers[fps] = assert_matches_hf(out, checkpoint, text, [], f"{fps:g} fps", clips=[(frames, fps)])
+    assert answers[2.0] != answers[4.0], f"the frame rate must change HF's answer: {answers}"
+    span = clip_span(checkpoint, frames, 2.0)
+    timeless = {k: v for k, v in span.items() if k not in ("second_per_grid_t", "video_timestamps")}
+    res = server.generate(helpers.body(span_segments(text, [timeless]), MAX_TOKENS))
+    field = "second_per_grid_t" if "second_per_grid_t" in span else "video_timestamps"
+    assert res.status_code == 400 and f"takes {field}" in res.json()["message"], res.text
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: {**s, "video_grid_thw": [s["video_grid_thw"][0], s["video_grid_thw"][1] * 2, s["video_grid_thw"][2]]},
+     "rows (merge size 2), but the span has"),
+    (lambda s: {**s, "image_grid_thw": s["video_grid_thw"]}, "an image (image_grid_thw) or a clip (video_grid_thw), not both"),
+    (lambda s: {**s, "video_grid_thw": [0, 2, 2]}, "video_grid_thw must be [t, h, w] of positive ints"),
+])
+def test_a_bad_clip_grid_is_a_400_that_says_which(served, change, message):
+    checkpoint, server, (wide, _), seed = served
+    text = video_text(checkpoint)
+    span = change(clip_span(checkpoint, sample_clip(4, *wide, seed=seed), 2.0))
+    res = server.generate(helpers.body(span_segments(text, [span]), MAX_TOKENS))
+    assert res.status_code == 400 and message in res.json()["message"], res.text
+
+
+def test_an_image_and_a_clip_in_one_prompt(served):
+    checkpoint, server, (wide, _), seed = served
+    text = chat_text(checkpoint, "compare the picture and the video", 0, media=("image", "video"))
+    image, clip = sample_images()["disc"], (sample_clip(4, *wide, seed=seed), 2.0)
+    out = ask(server, span_segments(text, [grid_span(checkpoint, image), clip_span(checkpoint, *clip)]))
+    tokens = assert_matches_hf(out, checkpoint, text, [image], "an image and a clip", clips=[clip])
+    other = qwen_vl_greedy(checkpoint, text, [sample_images()["square"]], MAX_TOKENS, clips=[clip]).tokens
+    assert other != tokens, "the image must change HF's answer beside the clip"
+
+
+def test_a_repeat_is_cached_and_another_clip_or_order_shares_only_the_text_before(served):
+    checkpoint, server, (wide, _), seed = served
+    text = video_text(checkpoint, "describe the video")
+    frames = sample_clip(8, *wide, seed=seed)
+    span = clip_span(checkpoint, frames, 2.0)
+    first, again = ask(server, span_segments(text, [span])), ask(server, span_segments(text, [span]))
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
+    # the positions before the clip's first row (a Qwen3-VL clip's: after its first frame's time)
+    hf_ids = qwen_vl_inputs(checkpoint, text, [], clips=[(frames, 2.0)])["input_ids"][0].tolist()
+    text_before = hf_ids.index(hf_qwen_vl(str(checkpoint))[0].config.video_token_id)
+    for label, clip in (("frames reversed", (frames[::-1].copy(), 2.0)),
+                        ("another clip", (sample_clip(8, *wide, seed=OTHER_SEED), 2.0))):
+        out = ask(server, span_segments(text, [clip_span(checkpoint, *clip)]))
+        assert out["meta_info"]["cached_tokens"] <= text_before, f"{label} must not reuse the clip's KV"
+        assert_matches_hf(out, checkpoint, text, [], label, clips=[clip])
+
+
+def test_a_program_with_sgl_video_and_the_client_vision_half(served):
+    """``load_encoder(DIR).clip`` through ``sgl.video(frames, fps)`` between the vision tokens:
+    the program's answer is the one HF gives on the frames, and the backend's encoder cache runs
+    the tower once for a clip asked about twice."""
+    checkpoint, server, (wide, _), seed = served
+    encoder = load_encoder(checkpoint, device="cpu")
+    backend = sgl_embeds.EmbedsEndpoint(server.url, vision_encoder=encoder)
+    text = video_text(checkpoint)
+    before, after = text.split(VIDEO_PLACEHOLDER)
+    frames = sample_clip(4, *wide, seed=seed)
+
+    import sglang as sgl
+
+    @sgl.function
+    def ask_about(s, frames, fps):
+        s += before + encoder.vision_start + sgl.video(frames, fps) + encoder.vision_end + after
+        s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+    answers = [ask_about.run(frames=frames, fps=2.0, backend=backend)["answer"] for _ in range(2)]
+    direct = ask(server, span_segments(text, [clip_span(checkpoint, frames, 2.0)]))
+    assert_matches_hf(direct, checkpoint, text, [], "the clip sent directly", clips=[(frames, 2.0)])
+    assert answers == [direct["text"]] * 2
+    assert (backend.encoder_cache.misses, backend.encoder_cache.hits) == (1, 1)
+
+
+def test_the_chat_route_takes_a_clip_part(served):
+    """``/v1/chat/completions`` with an ``input_embeds`` part that carries a video grid: the chat
+    template renders it as a video part, so the prompt ids and the answer are HF's."""
+    checkpoint, server, (wide, _), seed = served
+    clip = (sample_clip(4, *wide, seed=seed), 2.0)
+    rows, fields = clip_rows(checkpoint, *clip)
+    part = {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows), **fields}
+    question = {"type": "text", "text": "what happens in the video"}
+    res = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": [{"role": "user", "content": [part, question]}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "logprobs": True, "return_token_ids": True})
+    assert res.status_code == 200, res.text
+    text = video_text(checkpoint)
+    hf_ids = qwen_vl_inputs(checkpoint, text, [], add_special_tokens=False, clips=[clip])["input_ids"][0].tolist()
+    assert res.json()["choices"][0]["prompt_token_ids"] == hf_ids
+    assert_matches_hf(helpers.chat_as_generate(res.json()), checkpoint, text, [], "chat route clip",
+                      add_special_tokens=False, clips=[clip])
+
+
+def test_a_clip_span_on_a_text_model_is_a_400(llama_server):
+    span = {**helpers.span(helpers.seeded_rows(0, 8)), "video_grid_thw": [2, 4, 4], "second_per_grid_t": 1.0}
+    res = llama_server.generate(helpers.body([helpers.text("hi"), span]))
+    assert res.status_code == 400 and "video_grid_thw are for VLMs served natively" in res.json()["message"], res.text
