@@ -10,8 +10,11 @@
 # that does not say where the id stands), and breaks of the LLaVA-NeXT / OneVision vision half
 # (anyres_*, siglip_*), and of Qwen3-VL spans: deepstack_layers_swapped (each deepstack layer's rows
 # added one layer off), mrope_not_interleaved (the tiny Qwen3-VL's config: SGLang then applies M-RoPE
-# unlike HF), and of clip spans: clip_time_dropped (a Qwen2.5-VL clip's steps spaced without its
-# seconds), clip_frames_reversed (a clip's temporal steps in reverse order).
+# unlike HF); of clip spans: clip_time_dropped (a Qwen2.5-VL clip's steps spaced without its
+# seconds), clip_frames_reversed (a clip's temporal steps in reverse order); and of what keeps
+# spans apart or counted: route_hint_without_grid (the grid left out of the gateway's routing hint), image_digest_without_size (the encoder cache's image digest without the
+# image's size), vision_ids_unchecked (image_spans.check_vision_ids a no-op), logprob_start_ignored
+# (span rows nulled in input logprobs as if they started at position 0).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from helpers import seeded_rows as rows
+from helpers import OUTPUT_LOGPROBS, seeded_rows as rows
 from sgl_embeds.testing.server import engine as make_engine
 
 
@@ -24,7 +24,7 @@ def main(model_dir: str) -> dict:
     try:
         segments = [{"type": "text", "text": "the small dog"}, {"type": "embeds", "embeds": rows(11, 7)}, {"type": "text", "text": " is"}]
         sp = {"temperature": 0, "max_new_tokens": 10}
-        first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
+        first = eng.generate(input_segments=segments, sampling_params=sp, **OUTPUT_LOGPROBS)
         again = eng.generate(input_segments=segments, sampling_params=sp)
         numbers = {k: first["meta_info"][k] for k in ("output_token_logprobs", "output_top_logprobs")}
         out["segments"] = {"ids": first["output_ids"], "again_ids": again["output_ids"], "meta_info": numbers,
@@ -71,7 +71,7 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
             segments = [{"type": "text", "text": before + VISION_START},
                         {"type": "embeds", "embeds": rows, "image_grid_thw": list(grid)},
                         {"type": "text", "text": VISION_END + after}]
-            first = eng.generate(input_segments=segments, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
+            first = eng.generate(input_segments=segments, sampling_params=sp, **OUTPUT_LOGPROBS)
             again = eng.generate(input_segments=segments, sampling_params=sp)
             numbers = {k: first["meta_info"][k] for k in ("output_token_logprobs", "output_top_logprobs")}
             out[name] = {"ids": first["output_ids"], "again_ids": again["output_ids"], "meta_info": numbers,

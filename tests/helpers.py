@@ -19,7 +19,7 @@ GREEDY = {"temperature": 0.0}
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
 # output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
 # (SGLang then recomputes the whole prompt: no prefix-cache hit)
-OUTPUT_LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3}
+OUTPUT_LOGPROBS = {"return_logprob": True, "top_logprobs_num": ref.TOP_K}
 LOGPROBS = {**OUTPUT_LOGPROBS, "logprob_start_len": 0}
 
 
@@ -37,9 +37,9 @@ def chat_as_generate(response: dict) -> dict:
     """A chat completion sent with ``logprobs`` and ``return_token_ids`` in the shape of a
     ``/generate`` response (ids and output logprobs), for ``ref.assert_matches_hf``."""
     choice = response["choices"][0]
-    logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
-    return {"output_ids": choice["response_token_ids"],
-            "meta_info": {"output_token_logprobs": [(lp, None, None) for lp in logprobs]}}
+    logprobs, ids = [e["logprob"] for e in choice["logprobs"]["content"]], choice["response_token_ids"]
+    assert len(logprobs) == len(ids), f"{len(logprobs)} logprobs for {len(ids)} tokens"
+    return {"output_ids": ids, "meta_info": {"output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, ids)]}}
 
 
 def text(t: str) -> dict:

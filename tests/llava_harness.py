@@ -66,7 +66,7 @@ class LlavaHarness:
                         backend=self.backend)
         sent = sgl_embeds.compile_program(ask, like=self.backend, text=text, images=program_images,
                                           image_token=self.encoder.image_token)[0]
-        direct = self.backend.run(input_segments=sent, return_logprob=True, top_logprobs_num=3,
+        direct = self.backend.run(input_segments=sent, return_logprob=True, top_logprobs_num=ref.TOP_K,
                                   sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
         assert state["answer"] == direct["text"]
         return direct

@@ -17,7 +17,9 @@ flip. ``check_greedy`` compares token by token and forgives a divergence only wh
 gap is that small *and* our token is HF's runner-up, never at the first token and at most once
 per sequence; it then re-runs HF from our prefix and compares the rest. ``assert_matches_hf``
 does all of it for a prompt given as embeddings, and also checks that the reference is not
-degenerate and, given the same prompt with another span, that the span changes it.
+degenerate: at least 3 distinct tokens or, given the same prompt with another span, a reference
+that changes with the span. A response's logprobs are read in full: one per token, each entry's
+token id, top-k maps of the size asked, and an input logprob at every text position compared.
 """
 
 from __future__ import annotations
@@ -98,17 +100,21 @@ def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tok
 
 def assert_matches_hf(ours: list[int] | dict, model_dir: str | Path, inputs_embeds: torch.Tensor,
                       max_new_tokens: int, context: str = "", other_span_embeds: torch.Tensor | None = None,
-                      dtype: torch.dtype = torch.float32, near_tie: float = NEAR_TIE) -> Greedy:
+                      dtype: torch.dtype = torch.float32, near_tie: float = NEAR_TIE,
+                      logprob_start_len: int = 0) -> Greedy:
     """Our greedy tokens equal HF ``generate(inputs_embeds=...)`` under ``check_greedy``'s rule;
     the reference must not be degenerate, and (given ``other_span_embeds``, the same prompt with
     a different span) must change with the span. Returns HF's reference.
 
     ``ours``: the output ids, or a ``/generate`` response sent with ``return_logprob``, whose
-    numbers are then compared too (``assert_response_logprobs``)."""
+    numbers are then compared too (``assert_response_logprobs``; its input logprobs, when it has
+    them, by ``assert_input_logprobs`` from ``logprob_start_len``, the position the request asked
+    them from)."""
     tokens = ours["output_ids"] if isinstance(ours, dict) else ours
     reference = greedy_after(model_dir, inputs_embeds, max_new_tokens, dtype=dtype)
-    assert_not_degenerate(reference.tokens, context, min_distinct=2)
-    if other_span_embeds is not None:
+    if other_span_embeds is None:
+        assert_not_degenerate(reference.tokens, context, min_distinct=3)
+    else:
         other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype).tokens
         assert other != reference.tokens, f"{context}the span does not change HF's output: {other}"
     check_greedy(tokens, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context,
@@ -116,8 +122,8 @@ def assert_matches_hf(ours: list[int] | dict, model_dir: str | Path, inputs_embe
     if isinstance(ours, dict):
         tol = LOGPROB_TOL if dtype == torch.float32 else BF16_LOGPROB_TOL
         assert_response_logprobs(ours, reference, context, tol)
-        if ours["meta_info"].get("input_token_logprobs"):  # sent with logprob_start_len=0
-            assert_input_logprobs(ours, model_dir, inputs_embeds, context, tol, dtype)
+        if ours["meta_info"].get("input_token_logprobs"):  # sent with a logprob_start_len
+            assert_input_logprobs(ours, model_dir, inputs_embeds, context, tol, dtype, logprob_start_len)
     return reference
 
 
@@ -183,6 +189,8 @@ def check_greedy(ours: list[int], continue_from: Callable[[list[int]], Greedy], 
 # rows of the same model computed in another batching or order: seen <= 3e-8 (AVX2 vs AVX-512
 # GEMMs, LLaVA-NeXT tiles batched by HF); a wrong layer or projector moves them by > 1e-2
 ROW_TOL = 1e-6
+# the top-k maps a compared response asks for (``top_logprobs_num``: tests/helpers.py)
+TOP_K = 3
 LOGPROB_TOL = 1e-4  # float32 both sides: seen <= 5e-7 (tiny Qwen2.5-VL); the rows x1.01 move them 4.4e-4
 BF16_LOGPROB_TOL = 0.1  # bfloat16 both sides (different kernels): only a gross error shows
 
@@ -195,6 +203,7 @@ def assert_logprobs_match(tokens: list[int], logprobs: list[float], reference: G
     while n < min(len(tokens), len(reference.tokens)) and tokens[n] == reference.tokens[n]:
         n += 1
     assert n > 0, f"{context}no logprobs to compare"
+    assert len(logprobs) == len(tokens), f"{context}{len(logprobs)} logprobs for {len(tokens)} tokens"
     ours = logprobs
     worst = max(abs(a - b) for a, b in zip(ours[:n], reference.logprobs[:n]))
     assert worst <= tol, (f"{context}logprobs differ from HF's by up to {worst:.2e} (tolerance {tol:.0e}): "
@@ -202,15 +211,24 @@ def assert_logprobs_match(tokens: list[int], logprobs: list[float], reference: G
     return n
 
 
-def assert_response_logprobs(out: dict, reference: Greedy, context: str = "", tol: float = LOGPROB_TOL) -> int:
+def assert_response_logprobs(out: dict, reference: Greedy, context: str = "", tol: float = LOGPROB_TOL,
+                             top_k: int = TOP_K) -> int:
     """A ``/generate`` response's output-token logprobs (and its top-k maps, when it has them)
-    equal HF's log-softmax at the same steps within ``tol``, up to the first divergence; a top-k
-    map must hold HF's top-k tokens (order free where values tie within ``tol``)."""
+    equal HF's log-softmax at the same steps within ``tol``, up to the first divergence; each
+    entry names its output token; a top-k map, one per token, holds ``top_k`` distinct tokens,
+    HF's top-k (order free where values tie within ``tol``)."""
     meta = out["meta_info"]
     assert meta.get("output_token_logprobs"), f"{context}send return_logprob to compare numbers"
-    tokens = out["output_ids"]
-    n = assert_logprobs_match(tokens, [lp for lp, _, _ in meta["output_token_logprobs"]], reference, context, tol)
-    for step, top in enumerate((meta.get("output_top_logprobs") or [])[:n]):
+    tokens, entries = out["output_ids"], meta["output_token_logprobs"]
+    assert [token for _, token, _ in entries] == tokens[:len(entries)], (
+        f"{context}the logprob entries name tokens {[token for _, token, _ in entries]}, the output is {tokens}")
+    n = assert_logprobs_match(tokens, [lp for lp, _, _ in entries], reference, context, tol)
+    maps = meta.get("output_top_logprobs") or []
+    if any(maps):  # asked for (top_logprobs_num)
+        assert len(maps) == len(tokens), f"{context}{len(maps)} top-k maps for {len(tokens)} tokens"
+        sizes = [len({token for _, token, _ in top}) for top in maps]
+        assert sizes == [top_k] * len(maps), f"{context}top-k maps of {sizes} distinct tokens, {top_k} asked"
+    for step, top in enumerate(maps[:n]):
         hf = reference.distributions[step]
         ours = {token: lp for lp, token, _ in top}
         for token, lp in ours.items():
@@ -224,18 +242,30 @@ def assert_response_logprobs(out: dict, reference: Greedy, context: str = "", to
 
 @torch.no_grad()
 def assert_input_logprobs(out: dict, model_dir: str | Path, inputs_embeds: torch.Tensor, context: str = "",
-                          tol: float = LOGPROB_TOL, dtype: torch.dtype = torch.float32) -> int:
-    """The response's input logprobs (``logprob_start_len=0``) at text positions equal HF's
-    log-softmax of the prompt's forward at the position before (span positions are null);
-    returns how many were compared."""
-    entries = out["meta_info"]["input_token_logprobs"]
-    assert len(entries) == inputs_embeds.shape[0], f"{context}{len(entries)} input logprobs for {inputs_embeds.shape[0]} positions"
+                          tol: float = LOGPROB_TOL, dtype: torch.dtype = torch.float32,
+                          logprob_start_len: int = 0) -> int:
+    """The response's input logprobs, entry ``j`` at prompt position ``logprob_start_len + j``:
+    at every text position but the start (a row of the prompt that is a token's embedding, found
+    here from the rows, not from the response) an entry naming that token, its logprob HF's
+    log-softmax of the prompt's forward at the position before within ``tol``; at a span row
+    ``[None, None, None]``. Returns how many were compared."""
+    entries, n = out["meta_info"]["input_token_logprobs"], inputs_embeds.shape[0]
+    assert len(entries) == n - logprob_start_len, (
+        f"{context}{len(entries)} input logprobs from position {logprob_start_len} of {n}")
     logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0)).logits[0]
     distributions = logits.double().log_softmax(-1)
+    table = hf_model(str(model_dir)).get_input_embeddings().weight.float()
     compared = 0
-    for i, (lp, token, _) in enumerate(entries[1:], start=1):
-        if lp is None:
+    for i, (lp, token, _) in enumerate(entries, start=logprob_start_len):
+        row = inputs_embeds[i].float()
+        if token is None:
+            assert lp is None and not (table == row).all(-1).any(), (
+                f"{context}input position {i}: a null entry ({lp}) at a text position")
             continue
+        assert torch.equal(table[token], row), f"{context}input position {i}: entry of token {token}, not this row's"
+        if i == logprob_start_len:
+            continue  # SGLang gives the first entry no logprob (at 0, there is no position before it)
+        assert lp is not None, f"{context}input position {i} (token {token}): no logprob"
         hf = float(distributions[i - 1][token])
         assert abs(lp - hf) <= tol, f"{context}input position {i} (token {token}): logprob {lp:.5f}, HF's {hf:.5f}"
         compared += 1

@@ -37,6 +37,19 @@ def test_random_spans_match_hf_generate(arch, seed, servers):
     assert out["meta_info"]["prompt_tokens"] == reference_embeds(model_dir, parts).shape[0]
 
 
+@pytest.mark.parametrize("where", ["text before the span", "inside the span", "text after it"])
+def test_input_logprobs_from_a_later_position_match_hf(llama_server, llama_dir, where):
+    """``logprob_start_len`` > 0 with spans in the prompt: one entry per position from there, each
+    text position's logprob HF's, each span row's null (the nulls counted from the start asked)."""
+    parts = ["the red fox", seeded_rows(5, 8), " near the blue house", seeded_rows(6, 3), " yes"]
+    before = len(ref.hf_tokenizer(str(llama_dir)).encode(parts[0]))
+    start = {"text before the span": before - 2, "inside the span": before + 3, "text after it": before + 9}[where]
+    out = generate(llama_server, body(to_segments(parts), 8, **{**LOGPROBS, "logprob_start_len": start}))
+    ref.assert_matches_hf(out, llama_dir, reference_embeds(llama_dir, parts), 8, f"from position {start}: ",
+                          other_span_embeds=reference_embeds(llama_dir, with_other_spans(parts)),
+                          logprob_start_len=start)
+
+
 def test_token_embeddings_as_a_span_equal_the_same_ids_as_text(llama_server, llama_dir):
     tok = ref.hf_tokenizer(str(llama_dir))
     ids = tok.encode(" the quick red fox near the house", add_special_tokens=False)

@@ -7,12 +7,13 @@ import pytest
 import torch
 from blake3 import blake3
 
+from sgl_embeds.writer import SpanWriter
 from sgl_embeds_srt import binary_body, keys, placeholders, wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.lru import LRU, nbytes
 from sgl_embeds_srt.parse import parse_prompts
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_srt.segments import Grid, Span, Text
 
 # Pinned: a change here changes every handle and placeholder id. Bump keys.KEY_SCHEME with it
 # (clients and servers of different schemes never agree on a handle) and update docs/concepts.md.
@@ -97,6 +98,39 @@ def test_each_row_has_its_own_part_of_the_routing_hint():
     assert [hint[i * width:(i + 1) * width] for i in range(4)] == [keys.route_rows(x[i:i + 1]) for i in range(4)]
     assert len({hint[i * width:(i + 1) * width] for i in range(4)}) == 4
     assert hint == keys.route_rows(x, keys.row_digests(x)) and hint[:width] == keys.row_digests(x[:1])[:3].hex()
+
+
+
+def _hint_by_hand(rows: torch.Tensor, grid: str) -> str:
+    """The routing hint of ``[Text("look "), Span(rows, grid), Text(" then")]`` as docs and
+    keys.py describe it, written out here: 3 bytes of each row's digest in hex, the grid, the tag."""
+    digests = keys.row_digests(rows)
+    row_parts = "".join(digests[i:i + 3].hex() for i in range(0, len(digests), keys.ROW_DIGEST_BYTES))
+    return "look " + row_parts + grid + " then" + " <sgl_embeds routing hint>"
+
+
+@pytest.mark.parametrize("grid, written", [
+    (Grid((1, 4, 8)), "<1x4x8>"), (Grid((1, 8, 4)), "<1x8x4>"), (None, ""),
+    (Grid((2, 2, 8), video=True, second_per_grid_t=1.0), "<video 2x2x8 1.0s>"),
+    (Grid((2, 2, 8), video=True, timestamps=(0.25, 1.25)), "<video 2x2x8 @0.25 @1.25>"),
+])
+def test_a_grid_spans_routing_hint_names_its_grid(grid, written):
+    """The same rows under another grid (a clip's: another time) are another prefix (no shared
+    KV): the hint the client sends (``SpanWriter``) and ``routing_text`` both say the grid, as
+    written by hand here."""
+    rows = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    prompt = [Text("look "), Span(rows, grid=grid), Text(" then")]
+    sent = SpanWriter(16).fields("input_segments", [prompt], batch=False)["text"]
+    assert sent == keys.routing_text(prompt) == _hint_by_hand(rows, written)
+
+
+def test_two_grids_of_the_same_rows_give_two_hints():
+    rows = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    grids = [Grid((1, 4, 8)), Grid((1, 8, 4)), Grid((2, 4, 4), video=True), None,
+             Grid((2, 4, 4), video=True, second_per_grid_t=0.5), Grid((2, 4, 4), video=True, second_per_grid_t=1.0)]
+    hints = {SpanWriter(16).fields("input_segments", [[Span(rows, grid=grid)]], batch=False)["text"]
+             for grid in grids}
+    assert len(hints) == len(grids), hints
 
 
 def _spec(dtype: torch.dtype) -> ModelSpec:

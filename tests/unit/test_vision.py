@@ -1,4 +1,4 @@
-"""Boxes, crops and the open_clip encoder's weight loading (no server)."""
+"""Boxes, crops, the encoder cache's keys and the open_clip encoder's weight loading (no server)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sgl_embeds.vision import OpenClipEncoder, check_box_form, crop, load_image, to_pixel_box
+from sgl_embeds.vision import EncoderCache, OpenClipEncoder, check_box_form, crop, load_image, to_pixel_box
 
 
 def test_box_forms():
@@ -56,3 +56,18 @@ def test_bad_boxes_raise(box, message):
 
     with pytest.raises(ValueError, match=message):
         to_pixel_box(box, 64, 48)
+
+
+def test_the_same_pixel_bytes_in_two_shapes_are_two_cache_entries():
+    """4x8 and 8x4 images of one pixel buffer: equal bytes, other images, other rows."""
+    buffer = bytes(range(4 * 8 * 3))
+    wide, tall = Image.frombytes("RGB", (8, 4), buffer), Image.frombytes("RGB", (4, 8), buffer)
+    assert wide.tobytes() == tall.tobytes()
+    cache = EncoderCache()
+
+    def by_size(image: Image.Image) -> torch.Tensor:
+        return torch.tensor([[float(image.width), float(image.height)]])
+
+    assert cache.encode(by_size, wide).rows.tolist() == [[8.0, 4.0]]
+    assert cache.encode(by_size, tall).rows.tolist() == [[4.0, 8.0]]
+    assert (cache.hits, cache.misses) == (0, 2)

@@ -38,7 +38,7 @@ from sgl_embeds.testing.qwen_vl import (
 )
 from sgl_embeds.testing.server import Gateway
 from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt.segments import Span, Text
+from sgl_embeds_srt.segments import Grid, Span, Text
 
 pytestmark = pytest.mark.server
 
@@ -120,13 +120,25 @@ def test_a_grid_on_a_text_model_is_a_400(llama_server):
 
 
 def test_the_poisoned_tower_really_is_poisoned(qwen_vl_spans_server, qwen_vl_dir):
-    """The same image as pixels on this server does not give HF's answer (the tower is NaN)."""
+    """The same image on this server: as a span (the tower never runs) HF's answer, 200 and equal
+    tokens; as pixels (the NaN tower runs) not HF's answer: another answer or a 4xx, never a 500.
+    The span goes first: a raw image's prefill chunk leaves NaN in the KV of the text before it
+    (seen: every later request not cached past that text answered token 0), so that text must be
+    cached already, and the raw image's entries are flushed after."""
     text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
     image = sample_images()["stripes"]
+    reference = qwen_vl_greedy(qwen_vl_dir, text, [image], MAX_TOKENS).tokens
+    span = qwen_vl_spans_server.generate(helpers.body(span_segments(text, [grid_span(qwen_vl_dir, image)]),
+                                                      MAX_TOKENS))
+    assert span.status_code == 200, span.text
+    assert span.json()["output_ids"] == reference
     res = qwen_vl_spans_server.generate({"text": text, "image_data": png_base64(image),
                                          "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}})
-    reference = qwen_vl_greedy(qwen_vl_dir, text, [image], MAX_TOKENS).tokens
-    assert res.status_code != 200 or res.json()["output_ids"] != reference
+    assert requests.post(qwen_vl_spans_server.url + "/flush_cache", timeout=30).ok
+    if res.status_code == 200:
+        assert res.json()["output_ids"] != reference, "the tower ran as if it were not poisoned"
+    else:
+        assert 400 <= res.status_code < 500, res.text
 
 
 def test_spans_and_raw_images_in_one_batch_are_both_served(qwen_vl_server, qwen_vl_dir):
@@ -166,7 +178,7 @@ def test_a_program_and_run_send_image_spans(qwen_vl_spans_server, qwen_vl_dir):
         s += before + VISION_START + sgl.embeds(rows, image_grid_thw=grid) + VISION_END + after
         s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
 
-    direct = backend.run(input_segments=[Text(before + VISION_START), Span(rows, image_grid_thw=grid),
+    direct = backend.run(input_segments=[Text(before + VISION_START), Span(rows, grid=Grid(grid)),
                                          Text(VISION_END + after)],
                          sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}, return_logprob=True)
     assert_matches_hf(direct, qwen_vl_dir, text, [image], "run")
@@ -272,9 +284,11 @@ def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwe
     segments = span_segments(text, [span])
     rows = wire.decode_tensor(span["embeds"])
     before, after = text.split(IMAGE_PLACEHOLDER)
-    hint = keys.routing_text([Text(before + VISION_START), Span(rows, image_grid_thw=tuple(span["image_grid_thw"])),
+    hint = keys.routing_text([Text(before + VISION_START), Span(rows, grid=Grid(span["image_grid_thw"])),
                               Text(VISION_END + after)])
-    assert keys.route_grid(tuple(span["image_grid_thw"])) in hint
+    t, h, w = span["image_grid_thw"]  # the hint written out: the rows, the grid, the tag
+    assert hint == (before + VISION_START + keys.route_rows(rows) + f"<{t}x{h}x{w}>" + VISION_END + after
+                    + keys.ROUTE_TAG)
     def through(payload: dict) -> dict:
         res = requests.post(qwen_vl_gateway.url + "/generate", json=payload, timeout=120)
         assert res.status_code == 200, res.text
@@ -296,7 +310,7 @@ def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwe
     assert chat.json()["choices"][0]["response_token_ids"] == hf_chat
 
     backend = EmbedsEndpoint(qwen_vl_gateway.url)
-    run = backend.run(input_segments=[Text(before + VISION_START), Span(rows, image_grid_thw=tuple(span["image_grid_thw"])),
+    run = backend.run(input_segments=[Text(before + VISION_START), Span(rows, grid=Grid(span["image_grid_thw"])),
                                       Text(VISION_END + after)], sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
     assert run["output_ids"] == first["output_ids"]
 
