@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import sglang_serves, split
+from sgl_embeds.vlm.qwen_vl import MODEL_TYPES as NATIVE_FAMILIES  # = image_spans.SERVED_MODEL_TYPES
 from sgl_embeds_srt.family import SPLIT_FAMILIES
-from sgl_embeds_srt.image_spans import KNOWN_MROPE_MODEL_TYPES, SERVED_MODEL_TYPES
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
 # A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
@@ -111,10 +111,10 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Lau
     if family in SPLIT_FAMILIES:
         llm = split_dir(checkpoint, progress) / "llm"
         return Launch(family, llm, [*machine_args(), *flags], env)
-    if family in SERVED_MODEL_TYPES:
+    if family in NATIVE_FAMILIES:
         return Launch(family, checkpoint, [*machine_args(), *family_args(True), *flags], env)
     arch = (config.get("architectures") or [""])[0]
-    if family not in KNOWN_MROPE_MODEL_TYPES and arch.endswith("ForCausalLM") and sglang_serves(arch):
+    if family not in REFUSED and arch.endswith("ForCausalLM") and sglang_serves(arch):
         return Launch(None, checkpoint, [*machine_args(), *flags], env)
     why = f": {REFUSED[family]}" if family in REFUSED else ""
     raise ServeError(f"{checkpoint}: model_type {family!r} ({arch or 'no architecture'}) is not "

@@ -54,6 +54,13 @@ def test_qwen_vl_is_served_natively_with_the_multimodal_flags(split_cache):
     assert "-m sglang.launch_server --model-path " in line and line.startswith("SGLANG_USE_CPU_ENGINE=1 ")
 
 
+def test_serve_serves_natively_what_the_plugin_serves_natively():
+    from sgl_embeds_srt.image_spans import KNOWN_MROPE_MODEL_TYPES, SERVED_MODEL_TYPES
+
+    assert serve.NATIVE_FAMILIES == SERVED_MODEL_TYPES
+    assert set(KNOWN_MROPE_MODEL_TYPES) - set(SERVED_MODEL_TYPES) == set(serve.REFUSED)
+
+
 def test_a_text_llm_is_served_as_it_is(split_cache):
     launch = serve.plan(tiny_model_dir("llama"), [], progress=False)
     assert launch.family is None and launch.model_dir == tiny_model_dir("llama")
