@@ -39,7 +39,8 @@ def test_a_qwen_vl_served_by_serve_answers_like_hf_through_connect(qwen_vl_serve
     assert served["vision_tokens"] == {"image": "<|image_pad|>", "start": "<|vision_start|>",
                                        "end": "<|vision_end|>"}
     assert isinstance(backend.vision_encoder, QwenVLEncoder)
-    text = chat_text(qwen_vl_dir, "describe the image", 1)
+    text = render_chat(served["vision_dir"], question("describe the image"))
+    assert text == chat_text(qwen_vl_dir, "describe the image", 1)  # the processor's own
     assert_matches_hf(run_program(backend, text, [IMAGE]), qwen_vl_dir, text, [IMAGE], "serve + connect")
 
 
