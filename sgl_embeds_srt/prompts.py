@@ -38,12 +38,13 @@ class ModelSpec:
     context_len: int
     tokenizer: Any
     vision: VisionSpec | None = None  # an M-RoPE VLM served natively: spans are images
+    model_path: str | None = None  # as the server was launched with it
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
         mc = tm.model_config
         return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer,
-                   VisionSpec.of(mc.hf_config))
+                   VisionSpec.of(mc.hf_config), tm.server_args.model_path)
 
     @property
     def span_width(self) -> int:

@@ -90,8 +90,10 @@ def llava_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def servers(llava_dirs, pytestconfig):
+def servers(llava_dirs, pytestconfig, tmp_path_factory):
     """The session's pool of servers by name (``servers.get(*names)``)."""
+    # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here)
+    served = dict(via_serve=True, env={"SGL_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
         # allowed whitespace until max_new_tokens (tests/server/test_compat_constrained.py)
@@ -100,7 +102,7 @@ def servers(llava_dirs, pytestconfig):
         "constrained": lambda: Server(tiny_model_dir("llama"), extra_args=CONSTRAINED_ARGS),
         # the demo model (SmolLM2-135M-Instruct, float32): for tutorials whose answers must be right
         "demo": lambda: Server(demo_model_dir()),
-        "llava_llama": lambda: Server(llava_dirs("llama")[1] / "llm", extra_args=["--enable-cache-report"]),
+        "llava_llama": lambda: Server(llava_dirs("llama")[0], extra_args=["--enable-cache-report"], **served),
         "llava_qwen": lambda: Server(llava_dirs("qwen2")[1] / "llm", extra_args=["--enable-cache-report"]),
         # the split LLMs of the any-resolution families (Llama and Qwen2 language models)
         "llava_next": lambda: Server(llava_dirs("llava_next")[1] / "llm", extra_args=["--enable-cache-report"]),
@@ -108,7 +110,7 @@ def servers(llava_dirs, pytestconfig):
                                           extra_args=["--enable-cache-report"]),
         "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
-        "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=QWEN_VL_ARGS),
+        "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report"], **served),
         # image spans: NaN vision weights (the tower must never run on spans; no warm-up request,
         # whose image would run the NaN tower, and SGLang then answers every later request with
         # token 0, ours or not), prefill chunks of 8 positions, so every image is cut, and a KV

@@ -35,13 +35,31 @@ def ask(s, text, images, image_token):
     s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
 
 
+def run_program(backend: EmbedsEndpoint, text: str, program_images: list) -> dict:
+    """``ask``'s answer (the images at the encoder's image tokens of ``text``), checked equal to
+    that of the same segments sent by ``EmbedsEndpoint.run``, whose output (ids, logprobs, top-3
+    maps) is returned."""
+    token = backend.vision_encoder.image_token
+    state = ask.run(text=text, images=program_images, image_token=token, backend=backend)
+    sent = sgl_embeds.compile_program(ask, like=backend, text=text, images=program_images,
+                                      image_token=token)[0]
+    direct = backend.run(input_segments=sent, return_logprob=True, top_logprobs_num=ref.TOP_K,
+                         sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+    assert state["answer"] == direct["text"]
+    return direct
+
+
 class LlavaHarness:
     """One split checkpoint of a LLaVA family behind the pool's server ``server_name``."""
 
-    def __init__(self, server_name: str, checkpoint, split_dir, server) -> None:
+    def __init__(self, server_name: str, checkpoint, split_dir, server,
+                 backend: EmbedsEndpoint | None = None) -> None:
+        """``backend``: one with its vision encoder (``sgl_embeds.connect``'s), else one with the
+        encoder of ``split_dir``."""
         self.server_name, self.checkpoint, self.split_dir, self.server = server_name, checkpoint, split_dir, server
-        self.encoder = load_encoder(split_dir / "vision", device="cpu")
-        self.backend = EmbedsEndpoint(server.url, vision_encoder=self.encoder)
+        if backend is None:
+            backend = EmbedsEndpoint(server.url, vision_encoder=load_encoder(split_dir / "vision", device="cpu"))
+        self.backend, self.encoder = backend, backend.vision_encoder
 
     def text(self, words: str, images: int = 1) -> str:
         """The checkpoint's chat template on one user turn of ``images`` images and ``words``."""
@@ -60,16 +78,7 @@ class LlavaHarness:
         return helpers.generate(self.server, helpers.body(segments, MAX_TOKENS, return_logprob=True))
 
     def run(self, text: str, program_images: list) -> dict:
-        """The program's answer, checked equal to that of the same segments sent by
-        ``EmbedsEndpoint.run``, whose output (ids, logprobs, top-3 maps) is returned."""
-        state = ask.run(text=text, images=program_images, image_token=self.encoder.image_token,
-                        backend=self.backend)
-        sent = sgl_embeds.compile_program(ask, like=self.backend, text=text, images=program_images,
-                                          image_token=self.encoder.image_token)[0]
-        direct = self.backend.run(input_segments=sent, return_logprob=True, top_logprobs_num=ref.TOP_K,
-                                  sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
-        assert state["answer"] == direct["text"]
-        return direct
+        return run_program(self.backend, text, program_images)
 
     def check(self, out: dict, text: str, hf_images: list, label: str) -> list[int]:
         """Our tokens vs HF's LLaVA class on ``hf_images`` (near-tie rule), and their logprobs;

@@ -1,8 +1,10 @@
 """Start and stop real SGLang servers (and in-process Engines) with the CPU launch defaults.
 
-The CPU defaults live here, in one place: ``--sleep-on-idle`` (without it the idle scheduler
-busy-loops a core and starves a 2-core machine), torch-native attention, no CUDA graph, no overlap
-schedule, float32, and a thread count per process that leaves the cores to the model.
+The CPU launch flags are ``sgl_embeds.serve``'s (``--sleep-on-idle``: without it the idle
+scheduler busy-loops a core and starves a 2-core machine; torch-native attention, no CUDA graph,
+no overlap schedule, float32); here they are joined by a thread count per process that leaves the
+cores to the model. A ``Server`` launches ``python -m sglang.launch_server`` itself, or with
+``via_serve`` the user's command, ``python -m sgl_embeds serve CHECKPOINT``.
 """
 
 from __future__ import annotations
@@ -22,36 +24,19 @@ from typing import Any, Callable
 
 import requests
 import sglang as sgl
-import torch
+
+from sgl_embeds.serve import CPU_ENV, CPU_KV_TOKENS, cpu_launch_args, on_cpu  # noqa: F401 (re-exported)
 
 READY_TIMEOUT_S = 240.0
 
 
-# On CPU SGLang sizes the KV pool to ~85% of free RAM; two test servers would exhaust the
-# machine. A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
-CPU_KV_TOKENS = 16384
-
-
-def cpu_launch_args(dtype: str = "float32") -> list[str]:
-    return [
-        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-        "--disable-overlap-schedule", "--dtype", dtype, "--sleep-on-idle",
-        "--max-total-tokens", str(CPU_KV_TOKENS),
-    ]
-
-
 def cpu_env(threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(CPU_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     n = str(threads or os.cpu_count() or 1)
     env.setdefault("OMP_NUM_THREADS", n)
     env.setdefault("MKL_NUM_THREADS", n)
     return env
-
-
-def on_cpu() -> bool:
-    """CPU unless a CUDA device is usable (the same tests then run on the GPU)."""
-    return not torch.cuda.is_available()
 
 
 def default_launch_args(dtype: str = "float32") -> list[str]:
@@ -98,6 +83,8 @@ class Server:
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    # launched by `python -m sgl_embeds serve model_dir` (a checkpoint: it picks the flags)
+    via_serve: bool = False
 
     @property
     def url(self) -> str:
@@ -118,11 +105,13 @@ class Server:
             fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            *default_launch_args(self.dtype), *self.extra_args,
-        ]
+        address = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.via_serve:
+            cmd = [sys.executable, "-m", "sgl_embeds", "serve", str(self.model_dir), *address,
+                   *self.extra_args]
+        else:
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+                   *address, *default_launch_args(self.dtype), *self.extra_args]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**cpu_env(), **self.env}, start_new_session=True)
         log.close()

@@ -239,6 +239,14 @@ class AnyresEncoder:
         self.image_newline = weights["image_newline"].to(self.device)  # [llm_hidden]
 
     @property
+    def family(self) -> str:
+        return self.config.family
+
+    @property
+    def span_width(self) -> int:
+        return self.config.llm_hidden_size
+
+    @property
     def image_token(self) -> str:
         return self.config.image_token
 

@@ -7,7 +7,9 @@ shards; both key layouts: ``language_model.model.*`` as ``save_pretrained`` writ
 ``model.language_model.*`` as the modules name it) and writes:
 
 * ``DST/llm/``: an ordinary causal-LM directory (config, weights, tokenizer, generation config,
-  chat template) for ``python -m sglang.launch_server --model-path DST/llm``;
+  chat template) for ``python -m sglang.launch_server --model-path DST/llm``, and the family file
+  (``sgl_embeds_srt.family``) that tells the plugin which family it serves and where the vision
+  half lies;
 * ``DST/vision/``: the tower, the projector (and ``image_newline``) in ``model.safetensors``,
   the settings in ``sgl_embeds_vision.json`` and the checkpoint's prompt template as
   ``chat_template.jinja``. LLaVA-1.5: the CLIP tower under open_clip's names, settings
@@ -32,6 +34,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -41,17 +44,21 @@ from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
+from sgl_embeds_srt.family import FAMILY_FILE, SPLIT_FAMILIES, family_file
 
 # model_type -> the transformers class of the checkpoints split can split
 FAMILIES = {"llava": "LlavaForConditionalGeneration",
             "llava_next": "LlavaNextForConditionalGeneration",
             "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+assert tuple(FAMILIES) == SPLIT_FAMILIES  # what the plugin reports as split
 SHARD_BYTES = 4 << 30
 _LLM_FILES = ("generation_config.json",)
 
 
-def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
-    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths."""
+def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
+          progress: bool = False) -> tuple[Path, Path]:
+    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths.
+    ``progress``: a progress bar over the language model's tensors (the bulk of the bytes)."""
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
     family = raw.get("model_type")
@@ -86,7 +93,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     for d in (llm_dir, vision_dir):
         d.mkdir(parents=True, exist_ok=True)
     tensors = Tensors(weights)
-    _write_llm(src, config, arch, tensors, parts.llm, llm_dir, log)
+    _write_llm(src, config, arch, tensors, parts.llm, llm_dir, log, progress)
     tower = {k: tensors[full] for k, full in parts.tower.items()}
     if family == "llava":
         tower = clip_to_open_clip(tower, vision.tower.layers)
@@ -99,6 +106,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) 
     template = _processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
+    (llm_dir / FAMILY_FILE).write_text(family_file(family, "../vision", vision.image_token))
     if image_processor is None:
         log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width "
             f"{vision.tower.width}), feature layers {list(vision.feature_layers)}, "
@@ -126,13 +134,13 @@ def _causal_lm_architecture(text_config) -> str:
     if arch is None:
         raise ValueError(f"text_config.model_type {text_config.model_type!r} has no causal-LM "
                          "class in transformers")
-    if not _sglang_serves(arch):
+    if not sglang_serves(arch):
         raise ValueError(f"text_config: SGLang has no model class {arch!r}, so it cannot serve "
                          "this language model")
     return arch
 
 
-def _sglang_serves(arch: str) -> bool:
+def sglang_serves(arch: str) -> bool:
     """Whether SGLang's model folder defines ``arch`` (read as text: importing every model is slow)."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
@@ -285,13 +293,13 @@ def _processor_chat_template(src: Path) -> str | None:
 
 
 def _write_llm(src: Path, config, arch: str, tensors: Tensors, llm_keys: dict[str, str],
-               out: Path, log: Callable[[str], None]) -> None:
+               out: Path, log: Callable[[str], None], progress: bool) -> None:
     text = config.text_config
     text.architectures = [arch]
     text.save_pretrained(out)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name in sorted(llm_keys):
+    for name in tqdm(sorted(llm_keys), desc="[split] llm tensors", unit="tensor", disable=not progress):
         t = tensors[llm_keys[name]].contiguous()
         if size and size + t.numel() * t.element_size() > SHARD_BYTES:
             shards.append({})

@@ -72,7 +72,7 @@ class QwenVLEncoder:
         if found not in TOWERS:
             raise ValueError(f"{checkpoint}/config.json: model_type is {found!r}, not one of "
                              f"{MODEL_TYPES} (the Qwen-VL families whose vision half runs here)")
-        self.model_type = found
+        self.family = found  # the server it fits serves this model_type (sgl_embeds.connect)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         config = AutoConfig.from_pretrained(checkpoint)
@@ -98,6 +98,8 @@ class QwenVLEncoder:
         self.dtype = dtype
         self.tower = TOWERS[found](config.vision_config).to(dtype)
         self.deepstack_layers = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+        # an image's span: its rows, then each deepstack layer's, along the width
+        self.span_width: int = config.text_config.hidden_size * (1 + self.deepstack_layers)
         load_state(self.tower, weights, f"{checkpoint}: vision weights")
         settings = {"vision_config": config.vision_config.to_dict(),
                     "processor": self.processor.to_dict(), "backend": self.backend,

@@ -223,6 +223,13 @@ class LlavaEncoder:
         self.tower.to(self.device).eval()
         self.projector.to(self.device).eval()
 
+    # what the server it fits serves (sgl_embeds.connect checks it)
+    family = "llava"
+
+    @property
+    def span_width(self) -> int:
+        return self.config.llm_hidden_size
+
     @property
     def image_token(self) -> str:
         return self.config.image_token

@@ -1,7 +1,8 @@
 """``python -m sgl_embeds_srt.cpu.check``: prove the environment can run SGLang here.
 
 Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU, and the
-plugin's patch targets; exits non-zero with the reason if anything is missing.
+plugin's patch targets; exits non-zero with the reason if anything is missing. Says which row
+hashing path was built: native (the C extension of setup.py) or the Python fallback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ def main() -> int:
         print("SGLang internals missing or changed (see sgl_embeds_srt/targets.py):\n  " + "\n  ".join(found))
         return 1
     print(f"sglang {targets.installed_version()}: all {len(targets.TARGETS)} guarded internals as recorded")
+    from sgl_embeds_srt import keys
+
+    if keys.native_rows is not None:
+        print(f"row hashing: native (C extension {keys.native_rows.__file__})")
+    else:
+        print("row hashing: fallback (Python, one BLAKE3 call per row: the same digests, slower); "
+              "the C extension sgl_embeds_srt._row_digests was not built")
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import orjson
 from fastapi.responses import ORJSONResponse
 
-from sgl_embeds_srt import binary_body, handles, keys, parse, transport, wire
+from sgl_embeds_srt import binary_body, family, handles, keys, parse, transport, wire
 from sgl_embeds_srt.http import asgi
 
 PREFIX = "/sgl_embeds/"
@@ -43,6 +43,8 @@ def info(store: handles.SpanStore) -> dict:
         # an M-RoPE VLM served natively: spans carry image_grid_thw (image_spans.py); else None
         "vision": spec.vision.info(spec.hidden_size) if spec.vision is not None else None,
         "span_width": spec.span_width,  # a span's row width: hidden_size, with deepstack rows on Qwen3-VL
+        # the family served and where its vision half lies (sgl_embeds.connect loads it)
+        "model": family.served_model(spec.model_path, spec.vision, spec.tokenizer),
     }
 
 

@@ -1,0 +1,96 @@
+"""``connect(url, vision=...)``: an ``EmbedsEndpoint`` whose vision half fits the served model.
+
+The server says what it serves in ``/sgl_embeds/info``'s ``"model"`` (``sgl_embeds_srt.family``):
+its family, how it is served, where its vision half lies, whether an image's span carries a grid.
+``connect`` loads that vision half (``vision=None``), or takes the one given (a folder for
+``load_encoder``, or a ``VisionEncoder``), and refuses, before any request, one whose rows the
+server would refuse or misread: another span width, another family, a grid where none is taken or
+none where one is needed. The error says what would fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from sgl_embeds.backend import EmbedsEndpoint
+from sgl_embeds.vision import encode_region
+from sgl_embeds.vlm import load_encoder
+
+# A small grey image: what an encoder that does not state its fit is run on once, to see it
+PROBE_IMAGE_SIZE = (64, 64)
+
+
+def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options: Any) -> EmbedsEndpoint:
+    """An ``EmbedsEndpoint`` for ``url`` with the vision encoder of the served family: ``vision``
+    None loads the server's own vision half (``load_encoder`` of the folder the server names;
+    none for a text LLM); a folder is loaded with ``load_encoder``; anything else is taken as a
+    ``VisionEncoder``. ``ValueError`` when it does not fit the server. ``endpoint_options`` go to
+    ``EmbedsEndpoint`` (``device`` picks where the encoder runs)."""
+    device = endpoint_options.pop("device", None)
+    backend = EmbedsEndpoint(url, **endpoint_options)
+    served = backend.server_info.get("model")
+    if served is None:
+        raise RuntimeError(f"{url} runs an sgl_embeds plugin without the served model's family "
+                           "in /sgl_embeds/info (an older version): pass vision_encoder= to "
+                           "EmbedsEndpoint yourself")
+    if vision is None:
+        vision = _served_vision_dir(url, served)
+    if isinstance(vision, (str, Path)):
+        vision = load_encoder(vision, device=device)
+    if vision is not None:
+        problem = fit_error(vision, served, backend.span_width)
+        if problem:
+            raise ValueError(f"the vision encoder does not fit the model at {url}: {problem}")
+    backend.vision_encoder = vision
+    return backend
+
+
+def _served_vision_dir(url: str, served: dict) -> str | None:
+    path = served["vision_dir"]
+    if path is None or Path(path).is_dir():
+        return path
+    raise ValueError(f"{url} serves {_describe(served)} whose vision half is at {path} on the "
+                     "server's machine, not here: pass vision=<a copy of that folder>")
+
+
+def fit_error(encoder: Any, served: dict, span_width: int) -> str | None:
+    """Why ``encoder``'s rows do not fit the served model (see the module docstring), naming what
+    would fit; None when they do. An encoder that does not state its ``family`` and
+    ``span_width`` (ours do) is run once on a small image to read its width and grid."""
+    family = getattr(encoder, "family", None)
+    width = getattr(encoder, "span_width", None)
+    if width is None:
+        rows = encode_region(Image.new("RGB", PROBE_IMAGE_SIZE, (128, 128, 128)), None, encoder)
+        width, grid = rows.rows.shape[1], rows.grid is not None
+    else:
+        grid = getattr(encoder, "merge_size", None) is not None
+    fits = _what_fits(served, span_width)
+    if family is not None and served["family"] is not None and family != served["family"]:
+        return f"it is the vision half of a {family} model, the server serves {_describe(served)}; {fits}"
+    if width != span_width:
+        return f"its rows are [n, {width}], the server's spans are [n, {span_width}]; {fits}"
+    if grid != served["grid"]:
+        have = "carry an image grid (image_grid_thw)" if grid else "carry no image grid"
+        want = "needs one (M-RoPE)" if served["grid"] else "takes none"
+        return f"its rows {have}, the server {want}; {fits}"
+    merge = getattr(encoder, "merge_size", None)
+    if served["grid"] and merge is not None and merge != served["merge_size"]:
+        return f"its merge size is {merge}, the server's {served['merge_size']}; {fits}"
+    return None
+
+
+def _describe(served: dict) -> str:
+    if served["family"] is None:
+        return "a text LLM"
+    return f"a {served['family']} model ({served['served_as']})"
+
+
+def _what_fits(served: dict, span_width: int) -> str:
+    if served["vision_dir"] is None:
+        return (f"what fits: an encoder of [n, {span_width}] rows without a grid, e.g. "
+                "OpenClipEncoder with the LLM's projector")
+    return (f"what fits: connect(url) (the server's own vision half), or "
+            f"vision={served['vision_dir']!r}")

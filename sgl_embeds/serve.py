@@ -1,0 +1,190 @@
+"""``python -m sgl_embeds serve CHECKPOINT [SGLang flags...]``: serve a checkpoint with the plugin.
+
+It reads the checkpoint's ``config.json`` and takes the family's way (``plan``):
+
+* a LLaVA-family checkpoint (LLaVA-1.5, -NeXT, -OneVision) is split once into the split cache,
+  a folder keyed by the checkpoint's content (``split_dir``), and its LLM is served;
+* a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served natively, with SGLang's
+  multimodal path on;
+* a text LLM that SGLang serves is served as it is (spans of its hidden size);
+* anything else is a one-line error naming the families served.
+
+The launch flags suit the machine (``machine_args``: CPU defaults without a usable CUDA device,
+SGLang's own otherwise); the flags given after the checkpoint come last, so they override. It
+prints the exact ``python -m sglang.launch_server`` line, then becomes that process (``exec``:
+same pid, so signals reach SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import blake3
+import torch
+from tqdm import tqdm
+
+from sgl_embeds.vlm.checkpoint import sglang_serves, split
+from sgl_embeds.vlm.qwen_vl import MODEL_TYPES as NATIVE_FAMILIES  # = image_spans.SERVED_MODEL_TYPES
+from sgl_embeds_srt.family import SPLIT_FAMILIES
+
+# On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
+# A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
+CPU_KV_TOKENS = 16384
+SERVED = ("LLaVA-1.5 / LLaVA-NeXT / LLaVA-OneVision (split), Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+          "(native), and text LLMs that SGLang serves")
+REFUSED = {"qwen3_vl_moe": "Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its "
+                           "config says, and it has not run here"}
+
+
+def on_cpu() -> bool:
+    """CPU unless a CUDA device is usable."""
+    return not torch.cuda.is_available()
+
+
+def cpu_launch_args(dtype: str = "float32") -> list[str]:
+    """SGLang on CPU: torch-native attention, no CUDA graph, no overlap schedule, and
+    ``--sleep-on-idle`` (without it the idle scheduler busy-loops a core)."""
+    return [
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+        "--disable-overlap-schedule", "--dtype", dtype, "--sleep-on-idle",
+        "--max-total-tokens", str(CPU_KV_TOKENS),
+    ]
+
+
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def machine_args() -> list[str]:
+    """The launch flags of this machine: the CPU defaults (float32: bfloat16 matrix work is several
+    times slower on CPUs without AVX512_BF16), or none on a GPU (SGLang picks)."""
+    return cpu_launch_args() if on_cpu() else []
+
+
+def family_args(native_vlm: bool) -> list[str]:
+    """The flags a natively served VLM needs: SGLang's multimodal path, and on CPU the vision
+    tower's attention in sdpa (its default kernels are CUDA's)."""
+    if not native_vlm:
+        return []
+    return ["--enable-multimodal", *(["--mm-attention-backend", "sdpa"] if on_cpu() else [])]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What ``serve`` runs: the served folder, SGLang's arguments, the environment it adds."""
+
+    family: str | None  # None: a text LLM
+    model_dir: Path
+    args: list[str]
+    env: dict[str, str]
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+                *self.args]
+
+    def command_line(self) -> str:
+        """The line to paste into a shell."""
+        return shlex.join([f"{k}={v}" for k, v in self.env.items()] + self.argv)
+
+
+class ServeError(ValueError):
+    """A checkpoint ``serve`` does not serve (the message is one line)."""
+
+
+def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Launch:
+    """The launch of ``checkpoint`` (splitting a LLaVA one first, once); ``ServeError`` for a
+    family it does not serve."""
+    checkpoint = Path(checkpoint)
+    config_path = checkpoint / "config.json"
+    if not config_path.exists():
+        raise ServeError(f"{config_path} is missing: CHECKPOINT is an HF checkpoint folder")
+    config = json.loads(config_path.read_text())
+    family = config.get("model_type")
+    env = dict(CPU_ENV) if on_cpu() else {}
+    if family in SPLIT_FAMILIES:
+        llm = split_dir(checkpoint, progress) / "llm"
+        return Launch(family, llm, [*machine_args(), *flags], env)
+    if family in NATIVE_FAMILIES:
+        return Launch(family, checkpoint, [*machine_args(), *family_args(True), *flags], env)
+    arch = (config.get("architectures") or [""])[0]
+    if family not in REFUSED and arch.endswith("ForCausalLM") and sglang_serves(arch):
+        return Launch(None, checkpoint, [*machine_args(), *flags], env)
+    why = f": {REFUSED[family]}" if family in REFUSED else ""
+    raise ServeError(f"{checkpoint}: model_type {family!r} ({arch or 'no architecture'}) is not "
+                     f"served{why}; served: {SERVED}")
+
+
+def cache_root() -> Path:
+    """``$SGL_EMBEDS_CACHE``, else ``$XDG_CACHE_HOME/sgl_embeds`` (``~/.cache/sgl_embeds``)."""
+    root = os.environ.get("SGL_EMBEDS_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sgl_embeds"
+
+
+def checkpoint_key(checkpoint: Path, progress: bool = True) -> str:
+    """A BLAKE3 of every file of the checkpoint folder (names, sizes, bytes), with a progress
+    bar over the bytes."""
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(checkpoint).parts))
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
+              desc="[serve] hashing the checkpoint", disable=not progress) as bar:
+        for p in files:
+            h.update(f"{p.relative_to(checkpoint).as_posix()}\0{p.stat().st_size}\0".encode())
+            with open(p, "rb") as f:
+                while chunk := f.read(16 << 20):
+                    h.update(chunk)
+                    bar.update(len(chunk))
+    return h.hexdigest()[:32]
+
+
+def split_dir(checkpoint: Path, progress: bool = True) -> Path:
+    """The split of ``checkpoint`` in the split cache (``llm/`` and ``vision/``), made on first
+    use: into a temporary folder renamed when done, so an interrupted split is never reused."""
+    target = cache_root() / "splits" / checkpoint_key(checkpoint, progress)
+    if (target / "llm" / "config.json").exists() and (target / "vision").exists():
+        print(f"[serve] split of {checkpoint} found: {target}", flush=True)
+        return target
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        split(checkpoint, tmp, progress=progress)
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"[serve] split into {target}", flush=True)
+    return target
+
+
+def plugin_installed() -> bool:
+    return any(ep.name == "sgl_embeds" for ep in entry_points(group="sglang.srt.plugins"))
+
+
+def main(argv: list[str]) -> int:
+    """``serve CHECKPOINT [SGLang flags...]``: print the launch line, then run it (never returns
+    unless it fails before the launch)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m sgl_embeds serve CHECKPOINT [SGLang flags...]\n\n{__doc__}")
+        return 0 if argv else 2
+    if not plugin_installed():
+        print("error: the sgl_embeds plugin is not installed in this environment "
+              "(no entry point sgl_embeds in group sglang.srt.plugins): pip install sgl_embeds",
+              file=sys.stderr)
+        return 2
+    try:
+        launch = plan(argv[0], argv[1:], progress=sys.stderr.isatty())
+    except (ServeError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[serve] {launch.family or 'text LLM'}: {launch.command_line()}", flush=True)
+    os.execve(sys.executable, launch.argv, {**os.environ, **launch.env})
