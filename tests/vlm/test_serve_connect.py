@@ -12,7 +12,7 @@ import helpers
 import sgl_embeds
 from llava_harness import LlavaHarness, question, run_program
 from qwen_vl_harness import assert_matches_hf, chat_text
-from sgl_embeds.vision import ImageRows
+from sgl_embeds.vision import VisionRows
 from sgl_embeds.vlm import AnyresEncoder, LlavaEncoder, QwenVLEncoder, load_encoder, render_chat
 
 IMAGE = helpers.random_image(96, 80, seed=3)
@@ -60,7 +60,7 @@ def test_a_vision_half_that_does_not_fit_is_refused_at_connect(llava_llama_serve
         sgl_embeds.connect(llava_llama_server.url, vision=lambda image: torch.ones(4, hidden + 1))
     with pytest.raises(ValueError, match=r"carry an image grid \(image_grid_thw\), the server takes none"):
         sgl_embeds.connect(llava_llama_server.url,
-                           vision=lambda image: ImageRows(torch.ones(1, hidden), (1, 2, 2)))
+                           vision=lambda image: VisionRows(torch.ones(1, hidden), (1, 2, 2)))
     with pytest.raises(ValueError, match="carry no image grid, the server needs one"):
         sgl_embeds.connect(qwen_vl_server.url, vision=lambda image: torch.ones(4, 64))
 
