@@ -54,11 +54,16 @@ def main(model_dir: str) -> dict:
     return out
 
 
+# the clip main_qwen_vl sends: sample_clip(frames, width, height, seed=...) at fps
+CLIP = (4, 224, 56, 1, 2.0)
+
+
 def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
-    """Image spans (rows with their grid, as tensors) on a Qwen2.5-VL engine over ``model_dir``;
-    the rows come from HF's vision module on ``rows_dir``'s weights."""
+    """Image spans and a clip's (rows with their grid, as tensors) on a Qwen2.5-VL engine over
+    ``model_dir``; the rows come from HF's vision module on ``rows_dir``'s weights (the clip:
+    ``CLIP`` of ``sample_clip``)."""
     from sgl_embeds.testing.qwen_vl import (  # HF's model: only this probe needs it
-        IMAGE_PLACEHOLDER, VISION_END, VISION_START, image_rows, sample_images)
+        IMAGE_PLACEHOLDER, VISION_END, VISION_START, clip_rows, image_rows, sample_clip, sample_images)
 
     eng = make_engine(model_dir, enable_multimodal=True, mm_attention_backend="sdpa",
                       chunked_prefill_size=8, enable_cache_report=True)
@@ -66,16 +71,18 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
     try:
         sp = {"temperature": 0, "max_new_tokens": 10}
         before, after = sys.argv[3].split(IMAGE_PLACEHOLDER)
-        for name in ("stripes", "disc"):
-            rows, grid = image_rows(rows_dir, sample_images()[name])
-            segments = [{"type": "text", "text": before + VISION_START},
-                        {"type": "embeds", "embeds": rows, "image_grid_thw": list(grid)},
+        spans = {name: image_rows(rows_dir, sample_images()[name]) for name in ("stripes", "disc")}
+        spans = {name: (rows, {"image_grid_thw": list(grid)}) for name, (rows, grid) in spans.items()}
+        spans["clip"] = clip_rows(rows_dir, sample_clip(*CLIP[:3], seed=CLIP[3]), CLIP[4])
+        for name, (rows, grid) in spans.items():
+            segments = [{"type": "text", "text": before + VISION_START}, {"type": "embeds", "embeds": rows, **grid},
                         {"type": "text", "text": VISION_END + after}]
             first = eng.generate(input_segments=segments, sampling_params=sp, **OUTPUT_LOGPROBS)
             again = eng.generate(input_segments=segments, sampling_params=sp)
             numbers = {k: first["meta_info"][k] for k in ("output_token_logprobs", "output_top_logprobs")}
             out[name] = {"ids": first["output_ids"], "again_ids": again["output_ids"], "meta_info": numbers,
                          "cached": again["meta_info"]["cached_tokens"], "prompt": again["meta_info"]["prompt_tokens"]}
+        rows = spans["disc"][0]
         try:
             eng.generate(input_segments=[{"type": "text", "text": before + VISION_START},
                                          {"type": "embeds", "embeds": rows, "image_grid_thw": [1, 2, 2]}],

@@ -148,7 +148,7 @@ class QwenVLEncoder:
         out = self._video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
         (thw,) = out["video_grid_thw"].tolist()
         rows = self.features(out["pixel_values_videos"], tuple(thw))
-        return VisionRows(rows, Grid(tuple(thw), video=True, **clip_time(self.model_type, len(frames), fps,
+        return VisionRows(rows, Grid(tuple(thw), video=True, **clip_time(self.family, len(frames), fps,
                                                                          self.temporal_patch_size)))
 
 

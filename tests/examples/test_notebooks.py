@@ -23,6 +23,7 @@ SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGL_EMBEDS_VLM_URL": "llava_llama",  # the tiny LLaVA's split LLM
                "SGL_EMBEDS_DEMO_URL": "demo",  # meaning: SmolLM2-135M-Instruct
                "SGL_EMBEDS_QWEN_VL_URL": "qwen_vl_spans",  # the tiny Qwen2.5-VL, NaN tower
+               "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
                "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next"}  # the tiny LLaVA-NeXT's split LLM
 
 

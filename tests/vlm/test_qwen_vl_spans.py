@@ -19,21 +19,26 @@ import pytest
 import requests
 import sglang as sgl
 
+import engine_probe
 import helpers
-from qwen_vl_harness import image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
+from qwen_vl_harness import (image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span,
+                             span_segments)
 from conftest import QWEN_VL_ARGS
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
     VISION_END,
     VISION_START,
+    clip_rows,
     hf_qwen_vl,
     image_rows,
     png_base64,
     poisoned_vision_dir,
     qwen_vl_greedy,
     qwen_vl_inputs,
+    sample_clip,
     sample_images,
 )
 from sgl_embeds.testing.server import Gateway
@@ -246,9 +251,10 @@ def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server
 
 
 def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
-    """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor,
-    on an engine whose vision weights are NaN (a child process: ``tests/engine_probe.py``):
-    HF's tokens and logprobs, a repeat cached, a bad grid a ``ValueError``."""
+    """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor
+    (two images, a clip), on an engine whose vision weights are NaN (a child process:
+    ``tests/engine_probe.py``): HF's tokens and logprobs, a repeat cached, a bad grid a
+    ``ValueError``."""
     servers.make_room(1)  # the child's engine
     text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
     script = Path(__file__).parents[1] / "engine_probe.py"
@@ -256,10 +262,16 @@ def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in ("stripes", "disc"):
+    frames, width, height, seed, fps = engine_probe.CLIP
+    clip = (sample_clip(frames, width, height, seed=seed), fps)
+    for name in ("stripes", "disc", "clip"):
         res = probe[name]
         out = {"output_ids": res["ids"], "meta_info": res["meta_info"]}
-        assert_matches_hf(out, qwen_vl_dir, text, [sample_images()[name]], f"engine, {name}")
+        if name == "clip":
+            assert_matches_hf(out, qwen_vl_dir, text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER), [], "engine, a clip",
+                              clips=[clip])
+        else:
+            assert_matches_hf(out, qwen_vl_dir, text, [sample_images()[name]], f"engine, {name}")
         assert res["again_ids"] == res["ids"] and res["cached"] == res["prompt"] - 1
     assert probe["stripes"]["ids"] != probe["disc"]["ids"]
     assert "makes t*h*w/merge**2 = 1 rows" in probe["bad_grid"], probe["bad_grid"]
@@ -314,6 +326,19 @@ def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwe
                                       Text(VISION_END + after)], sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
     assert run["output_ids"] == first["output_ids"]
 
+    # a clip, by EmbedsEndpoint (binary body, held, by handle the second time) through the gateway
+    clip_text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
+    frames = sample_clip(4, 224, 56, seed=1)
+    clip_rows_, fields = clip_rows(qwen_vl_dir, frames, 2.0)
+    clip_before, clip_after = clip_text.split(VIDEO_PLACEHOLDER)
+    clip_segments = [Text(clip_before + VISION_START), Span(clip_rows_, grid=Grid.of_fields(fields)),
+                     Text(VISION_END + clip_after)]
+    answers = [backend.run(input_segments=clip_segments, **helpers.OUTPUT_LOGPROBS,
+                           sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}) for _ in range(2)]
+    assert_matches_hf(answers[0], qwen_vl_dir, clip_text, [], "a clip through the gateway", clips=[(frames, 2.0)])
+    assert answers[1]["output_ids"] == answers[0]["output_ids"]
+    assert answers[1]["meta_info"]["cached_tokens"] == answers[1]["meta_info"]["prompt_tokens"] - 1
+
 
 def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir, servers):
     """Two HTTP worker processes (``--tokenizer-worker-num 2``) in front of one scheduler, on the
@@ -343,6 +368,14 @@ def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir, servers):
         served = [r.json() for r in again if r.status_code == 200]
         assert served and all(o["output_ids"] == outs[0]["output_ids"] for o in served)
         assert all(r.json()["type"] == keys.UNKNOWN_HANDLE_TYPE for r in again if r.status_code != 200)
+        clip_text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
+        frames = sample_clip(4, 224, 56, seed=1)
+        clip = span_segments(clip_text, [clip_span(qwen_vl_dir, frames, 2.0)])
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            clips = list(pool.map(lambda _: helpers.generate(server, helpers.body(clip, MAX_TOKENS, return_logprob=True)),
+                                  range(4)))
+        assert_matches_hf(clips[0], qwen_vl_dir, clip_text, [], "multi-tokenizer, a clip", clips=[(frames, 2.0)])
+        assert all(o["output_ids"] == clips[0]["output_ids"] for o in clips)
     finally:
         server.stop()
 

@@ -140,7 +140,8 @@ def test_a_repeat_is_cached_and_another_clip_or_order_shares_only_the_text_befor
 def test_a_program_with_sgl_video_and_the_client_vision_half(served):
     """``load_encoder(DIR).clip`` through ``sgl.video(frames, fps)`` between the vision tokens:
     the program's answer is the one HF gives on the frames, and the backend's encoder cache runs
-    the tower once for a clip asked about twice."""
+    the tower once for a clip asked about twice. The backend sends it as it sends any span: in a
+    binary body, held by the server, by handle the second time."""
     checkpoint, server, (wide, _), seed = served
     encoder = load_encoder(checkpoint, device="cpu")
     backend = sgl_embeds.EmbedsEndpoint(server.url, vision_encoder=encoder)
@@ -155,7 +156,12 @@ def test_a_program_with_sgl_video_and_the_client_vision_half(served):
         s += before + encoder.vision_start + sgl.video(frames, fps) + encoder.vision_end + after
         s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
 
+    def held() -> int:
+        return requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["rows_to_scheduler"]["held_spans"]
+
+    held_before = held()
     answers = [ask_about.run(frames=frames, fps=2.0, backend=backend)["answer"] for _ in range(2)]
+    assert backend.sends_binary and held() == held_before + 1
     direct = ask(server, span_segments(text, [clip_span(checkpoint, frames, 2.0)]))
     assert_matches_hf(direct, checkpoint, text, [], "the clip sent directly", clips=[(frames, 2.0)])
     assert answers == [direct["text"]] * 2
