@@ -285,11 +285,11 @@ def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
 
 
 class RssPeak:
-    """The peak resident memory (bytes) of processes and their children, sampled every
-    ``interval`` s while in use."""
+    """The peak resident memory (bytes) of processes and, with ``children``, theirs, sampled
+    every ``interval`` s while in use."""
 
-    def __init__(self, pids: list[int], interval: float = 0.1) -> None:
-        self.pids, self.interval, self.peak = pids, interval, 0
+    def __init__(self, pids: list[int], interval: float = 0.1, children: bool = True) -> None:
+        self.pids, self.interval, self.children, self.peak = pids, interval, children, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -298,7 +298,7 @@ class RssPeak:
         for pid in self.pids:
             try:
                 p = psutil.Process(pid)
-                for q in [p, *p.children(recursive=True)]:
+                for q in [p, *(p.children(recursive=True) if self.children else [])]:
                     total += q.memory_info().rss
             except psutil.Error:
                 pass
@@ -340,7 +340,7 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
             errors.append(e)
 
     threads = [threading.Thread(target=user, args=(turns,)) for turns in by_user.values()]
-    with RssPeak(list(server_pids)) as server_rss, RssPeak([psutil.Process().pid]) as client_rss:
+    with RssPeak(list(server_pids)) as server_rss, RssPeak([psutil.Process().pid], children=False) as client_rss:
         t0 = time.perf_counter()
         for th in threads:
             th.start()
