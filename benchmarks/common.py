@@ -23,13 +23,19 @@ from sgl_embeds.testing.server import Server
 RESULTS = Path(__file__).with_name("results")
 
 
-@contextmanager
-def server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32", env: dict[str, str] | None = None):
-    """A server of the demo build on 127.0.0.1; ``env``: extra variables for it alone."""
+def make_server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32",
+                env: dict[str, str] | None = None) -> Server:
+    """A server (not started) on 127.0.0.1; ``env``: extra variables for it alone."""
     env = dict(env or {})
     if not plugin:
         env["SGLANG_PLUGINS"] = "no-plugin-at-all"  # a whitelist that matches nothing
-    s = Server(model_dir, extra_args=list(extra), dtype=dtype, env=env).start()
+    return Server(model_dir, extra_args=list(extra), dtype=dtype, env=env)
+
+
+@contextmanager
+def server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32", env: dict[str, str] | None = None):
+    """A started ``make_server``, stopped on exit."""
+    s = make_server(model_dir, plugin, extra, dtype, env).start()
     try:
         yield s
     finally:

@@ -1,0 +1,394 @@
+"""A closed-loop multi-turn VLM chat workload (issue #35), replayed alike by every arm.
+
+``plan_turns`` draws, from a seed, the turns of N users: each user is one chat, each turn an image
+item (an image of a shared pool, or a box or a mask of one) and a question. Turns are planned in
+the order "turn 0 of every user, then turn 1, ...": exactly ``round(reuse * turns)`` of them
+(never the first) ask about an item seen before, drawn by a Zipf law over the items seen so far
+(rank = order of first appearance, weight ``1 / rank**zipf_s``); every other turn brings a new item:
+a fresh image of the pool, or (``NEW_REGION_SHARE`` of them, once an image was seen) a box or a
+mask of a seen image, which is new pixels to a tower. The plan is plain data (``Turn``), recorded
+with the results, so that every arm replays the same turns.
+
+``run_episode`` replays a plan against one server with one arm's client (``ARMS``): each user a
+thread that sends its turns one after the other (closed loop), every turn a streamed ``/generate``
+request with the whole chat so far (the earlier answers as the server gave them) and
+``answer_tokens`` new tokens; the episode ends when every user is done.
+
+* ``stock raw image``: the chat as text with one image pad per item and ``image_data`` (PNG,
+  base64; SGLang's processor, tower and multimodal cache);
+* ``ours inline``: the client's vision half (``vlm.QwenVLEncoder``) through one ``EncoderCache``
+  shared by all users, every item's rows inline in ``input_segments`` (base64, JSON);
+* ``ours by handle``: the same, written by a ``SpanWriter`` that holds spans (what
+  ``EmbedsEndpoint`` does): an item goes inline once, with ``keep_spans``, then by handle.
+
+The client's tower runs inside the turn it serves, so its time counts in the turn's TTFT and in
+the episode's requests/s; it runs one image at a time (one lock around the shared cache: a
+second user asking for an item being encoded waits for it rather than running the tower again).
+Image pixels and PNGs are made before the clock (a client has its images as files).
+
+``ideal_hit_rate`` is what a prefix cache of unbounded size could have served of the replayed
+prompts: each request's longest token prefix shared with the prompt of a request sent before it
+or with the prompt and answer of one that finished before it was sent, at most its prompt less one
+token, over all prompt tokens; an image counts as its rows, the same item giving the same rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import psutil
+import requests
+import torch
+from PIL import Image
+
+from sgl_embeds.sender import error_body, is_unknown_handle
+from sgl_embeds.testing.qwen_vl import IMAGE_PAD, VISION_END, VISION_START
+from sgl_embeds.vision import EncoderCache, region_image
+from sgl_embeds.writer import HeldSpans, SpanWriter
+from sgl_embeds_srt import segments as seg
+
+ARMS = ("stock raw image", "ours inline", "ours by handle")
+QUESTIONS = ("what is in this picture?", "which colors are there?", "describe the top left corner.",
+             "is there any text?", "how many objects do you see?", "what stands out here?")
+NEW_REGION_SHARE = 0.3  # of new items, once an image was seen: a box (2/3) or a mask (1/3) of one
+MIN_REGION = 0.4  # a region's sides are at least this share of the image's
+
+
+@dataclass(frozen=True)
+class Item:
+    """What a turn shows: image ``image`` of the pool (its seed), whole (``region`` None), a box
+    ``("box", x0, y0, x1, y1)`` or an elliptic mask ``("mask", cx, cy, rx, ry)``, in pixels."""
+
+    image: int
+    region: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: int
+    index: int  # the turn's place in its user's chat
+    item: Item
+    question: str
+    reuse: bool  # the item was seen before, in the planned order
+
+
+def plan_turns(users: int, turns: int, reuse: float, seed: int, image_side: int,
+               zipf_s: float = 1.0) -> list[Turn]:
+    """The turns of ``users`` chats of ``turns`` turns, in the planned order (see the module
+    docstring); the same arguments give the same list."""
+    if not 0.0 <= reuse < 1.0:
+        raise ValueError(f"reuse is a share of turns in [0, 1), got {reuse}")
+    rng = np.random.default_rng(seed)
+    total = users * turns
+    reused = set(rng.choice(np.arange(1, total), size=round(reuse * total), replace=False).tolist()
+                 if total > 1 else [])
+    seen: list[Item] = []
+    images: list[int] = []
+    plan = []
+    for k in range(total):
+        index, user = divmod(k, users)
+        if k in reused:
+            item = seen[_zipf(rng, len(seen), zipf_s)]
+        else:
+            if images and rng.random() < NEW_REGION_SHARE:
+                item = Item(images[_zipf(rng, len(images), zipf_s)], _region(rng, image_side))
+            else:
+                item = Item(seed * 100_000 + len(images))
+                images.append(item.image)
+            seen.append(item)
+        plan.append(Turn(user, index, item, QUESTIONS[int(rng.integers(len(QUESTIONS)))], k in reused))
+    return plan
+
+
+def _zipf(rng: np.random.Generator, n: int, s: float) -> int:
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    return int(rng.choice(n, p=weights / weights.sum()))
+
+
+def _region(rng: np.random.Generator, side: int) -> tuple:
+    w, h = (int(rng.integers(int(MIN_REGION * side), side + 1)) for _ in range(2))
+    x0, y0 = int(rng.integers(0, side - w + 1)), int(rng.integers(0, side - h + 1))
+    if rng.random() < 2 / 3:
+        return ("box", x0, y0, x0 + w, y0 + h)
+    return ("mask", x0 + w // 2, y0 + h // 2, w // 2, h // 2)
+
+
+def plan_record(plan: list[Turn]) -> list[dict]:
+    return [asdict(t) for t in plan]
+
+
+@lru_cache(maxsize=512)
+def pool_image(seed: int, side: int) -> Image.Image:
+    """Image ``seed`` of the pool: a smooth random picture (a 12x12 grid of colours, upscaled),
+    which a PNG stores in about a third of its raw bytes."""
+    small = np.random.default_rng(seed).integers(0, 256, (12, 12, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((side, side), Image.BICUBIC)
+
+
+def region_of(item: Item, side: int) -> Any:
+    """The item's region as ``vision`` takes it: None, a pixel box, or a boolean mask."""
+    if item.region is None:
+        return None
+    kind, *v = item.region
+    if kind == "box":
+        return tuple(v)
+    cx, cy, rx, ry = v
+    y, x = np.ogrid[:side, :side]
+    return ((x - cx) / max(rx, 1)) ** 2 + ((y - cy) / max(ry, 1)) ** 2 <= 1.0
+
+
+@dataclass
+class Answer:
+    """One replayed turn, as the client saw it."""
+
+    user: int
+    index: int
+    item: Item
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_atoms: list  # token ids, an image as its rows ("row", item, i): for ideal_hit_rate
+    sent: float  # perf_counter at the turn's start (before the client's tower)
+    first: float  # ... at the first streamed chunk
+    done: float
+    request_bytes: int
+    response_bytes: int
+    resent: bool = False  # a handle the server did not hold: sent again inline
+
+
+@dataclass
+class ArmClient:
+    """One arm's client, shared by its users: the server, the vision half and its cache, the
+    span writer, the tokenizer (for the ideal hit rate) and what was made before the clock."""
+
+    arm: str
+    url: str
+    encoder: Any  # vlm.QwenVLEncoder
+    tokenizer: Any
+    image_side: int
+    answer_tokens: int = 8
+    cache: EncoderCache = field(default_factory=EncoderCache)
+    tower_s: float = 0.0  # the client's tower time (cache misses)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _pixels: dict = field(default_factory=dict)
+    _png: dict = field(default_factory=dict)
+    _rows: dict = field(default_factory=dict)  # item -> rows of the prompt (for the ideal)
+
+    def __post_init__(self) -> None:
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
+        held = HeldSpans() if self.arm == "ours by handle" else None
+        self.writer = SpanWriter(self.encoder.span_width, "base64", None, held)
+
+    def prepare(self, plan: list[Turn]) -> None:
+        """Every item's pixels (and, for stock, PNG) before the clock."""
+        for item in {t.item for t in plan}:
+            image = pool_image(item.image, self.image_side)
+            pixels = region_image(image, region_of(item, self.image_side), self.encoder)
+            self._pixels[item] = pixels
+            self._rows[item] = self.encoder.rows_for(*pixels.size)
+            if self.arm == "stock raw image":
+                buf = io.BytesIO()
+                pixels.save(buf, format="PNG")
+                self._png[item] = base64.b64encode(buf.getvalue()).decode()
+
+    def encode(self, item: Item) -> seg.Span:
+        """The item's rows through the shared cache (one tower pass at a time), as a span."""
+        with self.lock:
+            misses = self.cache.misses
+            t0 = time.perf_counter()
+            image = pool_image(item.image, self.image_side)
+            out = self.cache.encode(self.encoder, image, region_of(item, self.image_side))
+            if self.cache.misses > misses:
+                self.tower_s += time.perf_counter() - t0
+        return seg.Span(out.rows, grid=out.grid)
+
+    def body(self, pieces: list) -> tuple[dict, list[torch.Tensor]]:
+        """The ``/generate`` body (less its sampling) of a prompt of text pieces and items, and
+        the rows of its spans."""
+        if self.arm == "stock raw image":
+            text = "".join(p if isinstance(p, str) else IMAGE_PAD for p in pieces)
+            return {"text": text, "image_data": [self._png[p] for p in pieces if isinstance(p, Item)]}, []
+        segments = [seg.Text(p) if isinstance(p, str) else self.encode(p) for p in pieces]
+        with self.lock:  # the held spans are one LRU
+            fields = self.writer.fields("input_segments", [segments], False, check_values=False)
+        return fields, [s.rows for s in segments if isinstance(s, seg.Span)]
+
+    def atoms(self, pieces: list) -> list:
+        """The prompt as the server counts it: its tokens (with what the tokenizer puts first,
+        as the server tokenizes), an item as its rows."""
+        out: list = self.tokenizer.encode("", add_special_tokens=True)
+        for p in pieces:
+            if isinstance(p, str):
+                out += self.tokenizer.encode(p, add_special_tokens=False)
+            else:
+                out += [("row", p, i) for i in range(self._rows[p])]
+        return out
+
+    def ask(self, turn: Turn, history: list[tuple[Turn, str]]) -> Answer:
+        pieces = chat_pieces(history, turn)
+        sent = time.perf_counter()
+        body, spans = self.body(pieces)
+        resent = False
+        sampling = {"temperature": 0, "max_new_tokens": self.answer_tokens, "ignore_eos": True}
+        while True:
+            payload = json.dumps({**body, "sampling_params": sampling, "stream": True}).encode()
+            r = requests.post(self.url + "/generate", data=payload, stream=True, timeout=600,
+                              headers={"Content-Type": "application/json"})
+            if r.status_code == 200:
+                break
+            error = error_body(r)
+            if resent or not is_unknown_handle(error):
+                raise RuntimeError(f"{self.arm}: turn {turn.user}/{turn.index}: {r.status_code} {error}")
+            with self.lock:  # a span another user's request was to leave on the server: inline
+                self.writer.forget(spans)
+            (body, spans), resent = self.body(pieces), True
+        first, last, received = None, None, 0
+        with r:
+            for line in r.iter_lines():
+                received += len(line) + 1
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                first = first or time.perf_counter()
+                last = json.loads(line[5:])
+        done = time.perf_counter()
+        meta = last["meta_info"]
+        return Answer(turn.user, turn.index, turn.item, last["text"], list(last["output_ids"]),
+                      meta["prompt_tokens"], meta.get("cached_tokens", 0), self.atoms(pieces), sent,
+                      first, done, len(payload), received, resent)
+
+
+def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
+    """The chat so far and ``turn``'s question in Qwen's chat format: text pieces and items."""
+    pieces: list = []
+    for t, answer in [*history, (turn, None)]:
+        pieces += [f"<|im_start|>user\n{VISION_START}", t.item,
+                   f"{VISION_END}{t.question}<|im_end|>\n<|im_start|>assistant\n"]
+        if answer is not None:
+            pieces.append(f"{answer}<|im_end|>\n")
+    merged: list = []
+    for p in pieces:  # adjacent text pieces as one
+        if isinstance(p, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += p
+        else:
+            merged.append(p)
+    return merged
+
+
+class RssPeak:
+    """The peak resident memory (bytes) of processes and, with ``children``, theirs, sampled
+    every ``interval`` s while in use."""
+
+    def __init__(self, pids: list[int], interval: float = 0.1, children: bool = True) -> None:
+        self.pids, self.interval, self.children, self.peak = pids, interval, children, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                p = psutil.Process(pid)
+                for q in [p, *(p.children(recursive=True) if self.children else [])]:
+                    total += q.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "RssPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._sample())
+
+
+def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()) -> dict:
+    """``plan`` replayed by ``client``'s arm, one thread per user (closed loop): the answers and
+    the episode's measures."""
+    client.prepare(plan)
+    by_user: dict[int, list[Turn]] = {}
+    for t in plan:
+        by_user.setdefault(t.user, []).append(t)
+    answers: list[Answer] = []
+    errors: list[BaseException] = []
+
+    def user(turns: list[Turn]) -> None:
+        history: list[tuple[Turn, str]] = []
+        try:
+            for t in turns:
+                a = client.ask(t, history)
+                answers.append(a)
+                history.append((t, a.text))
+        except BaseException as e:  # noqa: BLE001 - reported after the episode
+            errors.append(e)
+
+    threads = [threading.Thread(target=user, args=(turns,)) for turns in by_user.values()]
+    with RssPeak(list(server_pids)) as server_rss, RssPeak([psutil.Process().pid], children=False) as client_rss:
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    answers.sort(key=lambda a: (a.user, a.index))
+    ttft = [a.first - a.sent for a in answers]
+    e2e = [a.done - a.sent for a in answers]
+    distinct = len({t.item for t in plan})
+    prompt = sum(a.prompt_tokens for a in answers)
+    ours = client.arm != "stock raw image"
+    return {
+        "arm": client.arm, "turns": len(answers), "wall_s": wall, "requests_per_s": len(answers) / wall,
+        "ttft_s": ttft, "e2e_s": e2e,
+        "tower_passes_per_item": client.cache.misses / distinct if ours else None,
+        "client_tower_s": client.tower_s,
+        "hit_rate": sum(a.cached_tokens for a in answers) / prompt,
+        "ideal_hit_rate": ideal_hit_rate(answers),
+        "atoms_match_prompt_tokens": sum(len(a.prompt_atoms) == a.prompt_tokens for a in answers),
+        "server_rss_peak": server_rss.peak, "client_rss_peak": client_rss.peak,
+        "request_bytes": sum(a.request_bytes for a in answers),
+        "response_bytes": sum(a.response_bytes for a in answers),
+        "resent": sum(a.resent for a in answers),
+        "answers": [{"user": a.user, "index": a.index, "item": asdict(a.item), "text": a.text,
+                     "output_tokens": len(a.output_ids)} for a in answers],
+    }
+
+
+def ideal_hit_rate(answers: list[Answer]) -> float:
+    """See the module docstring: prefixes shared with requests done before each was sent."""
+    cached = 0
+    for a in answers:
+        best = 0
+        for b in answers:
+            if b.done <= a.sent:
+                best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms + b.output_ids[:-1]))
+            elif (b.sent, b.user) < (a.sent, a.user):
+                best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms))
+        cached += min(best, len(a.prompt_atoms) - 1)
+    return cached / sum(len(a.prompt_atoms) for a in answers)
+
+
+def _common_prefix(x: list, y: list) -> int:
+    n = min(len(x), len(y))
+    for i in range(n):
+        if x[i] != y[i]:
+            return i
+    return n
