@@ -1,15 +1,18 @@
-"""Spans with an image grid, on VLMs that SGLang serves natively with M-RoPE (Qwen2.5-VL).
+"""Spans with a grid (an image's or a clip's), on VLMs that SGLang serves natively with M-RoPE
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 Such a model places an image's rows at 3-D rotary positions (time, height, width) and embeds
 them through SGLang's multimodal path, not through ``positional_embed_overrides`` (its
 ``forward`` ignores those: a plain span's rows would be silently lost, so it is refused). A span
-that carries ``image_grid_thw`` (the patch grid before the spatial merge, as HF's processor
-reports it) is served as an image:
+that carries a grid (``segments.Grid``: ``image_grid_thw``, the patch grid before the spatial
+merge, as HF's processor reports it; or a clip's ``video_grid_thw`` with its time) is served as
+an image or a clip:
 
-* HTTP side (``prompts.build_ids``): the image token at the span's rows, one precomputed-
-  embedding item per span (``image_inputs``) whose identity is the span's content key and its
-  grid (the same rows with another grid never share KV; SGLang never hashes the rows), and the
-  M-RoPE positions from SGLang's own rope-index code. The rows travel in the prompt's
+* HTTP side (``prompts.build_ids``): the image or video pad token at the span's rows (``place``:
+  a Qwen3-VL clip frame by frame, each after its time as text), one precomputed-embedding item
+  per run of rows (``image_inputs``: an image, a clip, a Qwen3-VL clip's frame) whose identity is
+  the span's content key, its grid and time (the same rows with another grid never share KV;
+  SGLang never hashes the rows), and the M-RoPE positions from SGLang's own rope-index code. The rows travel in the prompt's
   ``prompt_rows.PromptRows`` like any span's, so a span by handle crosses to the scheduler once.
 * Scheduler (``handle_generate_request``): before the request is built, each image's rows move
   from the rows carrier into its item, and the items become the request's multimodal inputs.
@@ -99,7 +102,8 @@ class VisionSpec:
                 "video_token_id": self.video_token_id,
                 "vision_start_token_id": self.vision_start_token_id,
                 "vision_end_token_id": self.vision_end_token_id,
-                "deepstack_layers": self.deepstack_layers, "span_width": self.span_width(hidden_size)}
+                "deepstack_layers": self.deepstack_layers, "span_width": self.span_width(hidden_size),
+                "video_time": VIDEO_TIME.get(self.model_type)}
 
 
 @dataclass(frozen=True)

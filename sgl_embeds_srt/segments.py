@@ -113,9 +113,9 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Span:
-    """A span: ``[n, hidden]`` embedding rows at ``n`` consecutive prompt positions. Frozen: what
-    the server learns of it (its content key, its row digests) makes a new ``Span``
-    (``dataclasses.replace``)."""
+    """A span: ``[n, hidden]`` embedding rows at ``n`` consecutive prompt positions (a Qwen3-VL
+    clip's frame by frame, each after its time). Frozen: what the server learns of it (its
+    content key, its row digests) makes a new ``Span`` (``dataclasses.replace``)."""
 
     rows: torch.Tensor  # [n, hidden]
     # keys.content_key of the rows as sent: set where the server decodes or holds them

@@ -111,6 +111,8 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report"], **served),
+        # Qwen3-VL with its working tower, served by `sgl_embeds serve`: raw images beside spans
+        "qwen3_vl": lambda: Server(tiny_qwen3_vl_dir(), extra_args=["--enable-cache-report"], **served),
         # image spans: NaN vision weights (the tower must never run on spans; no warm-up request,
         # whose image would run the NaN tower, and SGLang then answers every later request with
         # token 0, ours or not), prefill chunks of 8 positions, so every image is cut, and a KV
@@ -140,10 +142,10 @@ def _pooled(name: str):
 
 
 POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next", "llava_onevision",
-          "qwen_vl", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans"]
+          "qwen_vl", "qwen_vl_spans", "qwen3_vl", "qwen3_vl_spans", "qwen2_vl_spans"]
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
- llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server, qwen3_vl_spans_server,
- qwen2_vl_spans_server) = map(_pooled, POOLED)
+ llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server, qwen3_vl_server,
+ qwen3_vl_spans_server, qwen2_vl_spans_server) = map(_pooled, POOLED)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ width, and with them zeroed the answer is not HF's."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from sgl_embeds.testing.qwen_vl import (
     VISION_END,
     VISION_START,
     image_rows,
+    png_base64,
     qwen_vl_greedy,
     qwen_vl_inputs,
     sample_images,
@@ -29,6 +32,7 @@ from sgl_embeds.testing.qwen_vl import (
     tiny_qwen3_vl_dir,
 )
 from sgl_embeds.vlm import load_encoder
+from sgl_embeds_srt import wire
 
 pytestmark = pytest.mark.server
 CHECKPOINTS = {"qwen3_vl_spans": tiny_qwen3_vl_dir, "qwen2_vl_spans": tiny_qwen2_vl_dir}
@@ -102,7 +106,7 @@ def test_a_program_with_the_client_vision_half_sees_the_image_and_a_box(served):
     for name, region in {"image": None, "box": (8, 16, 56, 80)}.items():
         seen = vision.region_image(image, region, encoder)
         encoded = encoder(seen)
-        direct = ask(server, span_segments(text, [{**helpers.span(encoded.rows), "image_grid_thw": list(encoded.image_grid_thw)}]))
+        direct = ask(server, span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}]))
         references[name] = assert_matches_hf(direct, checkpoint, text, [seen], f"client encoder, {name}")
         assert ask_about.run(image=image, region=region, backend=backend)["answer"] == direct["text"], name
     assert references["image"] != references["box"], f"the region must change HF: {references}"
@@ -159,3 +163,27 @@ def test_qwen3_vl_without_its_deepstack_rows_is_a_400_and_zeroed_ones_change_the
     ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     worst = max(abs(a - b) for a, b in zip(ours, reference.logprobs))
     assert out["output_ids"] != reference.tokens or worst > 100 * 1e-4, "zeroed deepstack rows must change the numbers"
+
+
+def test_qwen3_vl_raw_images_and_spans_on_one_server_both_equal_hf(qwen3_vl_server):
+    """Stock's raw images still work on a server that takes spans (its tower runs on them, not on
+    ours): both kinds sent together equal HF, and the span's rows without their deepstack rows
+    are a 400 naming the width, after which the server still answers both."""
+    checkpoint = tiny_qwen3_vl_dir()
+    text = chat_text(checkpoint, "what is the color of the object", 1)
+    pictures = sample_images()
+    raw = {"text": text, "image_data": png_base64(pictures["disc"]), "return_logprob": True,
+           "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}}
+    span = grid_span(checkpoint, pictures["stripes"])
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda b: helpers.generate(qwen3_vl_server, b),
+                             [raw, helpers.body(span_segments(text, [span]), MAX_TOKENS, return_logprob=True)] * 2))
+    assert_matches_hf(outs[0], checkpoint, text, [pictures["disc"]], "raw image")
+    assert_matches_hf(outs[1], checkpoint, text, [pictures["stripes"]], "image span")
+    assert outs[2]["output_ids"] == outs[0]["output_ids"] and outs[3]["output_ids"] == outs[1]["output_ids"]
+    rows = wire.decode_tensor(span["embeds"])
+    main_rows = {**span, **helpers.span(rows[:, :rows.shape[1] // 3])}  # the image's rows alone
+    res = qwen3_vl_server.generate(helpers.body(span_segments(text, [main_rows]), MAX_TOKENS))
+    assert res.status_code == 400 and "[n, 64 x (1 + 2)] = [n, 192]" in res.json()["message"], res.text
+    again = helpers.generate(qwen3_vl_server, raw)
+    assert again["output_ids"] == outs[0]["output_ids"]

@@ -247,7 +247,7 @@ def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server
     res = requests.post(qwen_vl_spans_server.url + "/v1/chat/completions", timeout=60, json={
         "model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "<|image_pad|>"}, part]}]})
-    assert res.status_code == 400 and "image token(s)" in res.json()["message"], res.text
+    assert res.status_code == 400 and "wrote the pad tokens of [image, image]" in res.json()["message"], res.text
 
 
 def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
@@ -401,7 +401,7 @@ def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(q
     for name, region in regions.items():
         seen = vision.region_image(image, region, encoder)  # what HF is shown
         encoded = encoder(seen)
-        span = {**helpers.span(encoded.rows), "image_grid_thw": list(encoded.image_grid_thw)}
+        span = {**helpers.span(encoded.rows), **encoded.grid.fields()}
         direct = ask(qwen_vl_spans_server, span_segments(text, [span]))
         references[name] = assert_matches_hf(direct, qwen_vl_dir, text, [seen], f"client encoder, {name}")
         state = ask_about.run(image=image, region=region, backend=backend)
