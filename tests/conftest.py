@@ -238,3 +238,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.vlm)
     # stable: file order within a folder
     items.sort(key=lambda item: FOLDERS.index(item.path.parent.name) if item.path.parent.name in FOLDERS else -1)
+    items[:] = _beside_last_use(items)
+
+
+def _beside_last_use(items: list) -> list:
+    """``items`` with each test marked ``beside_last_use`` (the fuzzers, on a server of every
+    family) moved after the last other test that needs one of its pooled servers, in their
+    order: where those servers still run, instead of starting them once more for it alone."""
+    moved = [item for item in items if item.get_closest_marker("beside_last_use")]
+    rest = [item for item in items if not item.get_closest_marker("beside_last_use")]
+    after: dict[int, list] = {}  # index in rest -> the moved tests that run after it
+    for item in moved:
+        names = set(_pooled_names(item))
+        stays = sum(1 for other in items[:items.index(item)] if other in rest) - 1
+        users = [i for i, other in enumerate(rest) if names & set(_pooled_names(other))]
+        after.setdefault(max([stays, *users]), []).append(item)
+    return after.get(-1, []) + [x for i, item in enumerate(rest) for x in (item, *after.get(i, []))]

@@ -16,6 +16,9 @@ from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.server import Server, cpu_env
 
 GREEDY = {"temperature": 0.0}
+# A pooled server of each family served (tests/conftest.py): a text LLM, the Qwen-VL families served
+# natively (Qwen2.5-VL, Qwen3-VL, Qwen2-VL; NaN vision towers) and a split LLaVA-NeXT's LLM
+FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next")
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
 # output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
 # (SGLang then recomputes the whole prompt: no prefix-cache hit)
@@ -52,6 +55,13 @@ def span(x: torch.Tensor, fmt: str = "base64", dtype: str | None = None) -> dict
 
 def body(segments: list, max_new_tokens: int = 8, **extra) -> dict:
     return {"input_segments": segments, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}, **extra}
+
+
+def error_message(r) -> str:
+    """The message of an error response: SGLang's ``{"message": ...}`` or OpenAI's ``{"error": {"message": ...}}``."""
+    payload = r.json()
+    error = payload.get("error")
+    return payload.get("message") or (error.get("message", "") if isinstance(error, dict) else error or "")
 
 
 def generate(server, payload: dict) -> dict:

@@ -1,11 +1,16 @@
 """Hypothesis strategies shared by the fuzzers (``unit/test_fuzz_wire.py``, ``server/test_fuzz_http.py``):
-any JSON value, and wire tensors well-formed or not."""
+any JSON value, wire tensors well-formed or not, and whole prompts for a served model (text,
+ids, spans with and without image and clip grids, spans by handle)."""
 
 from __future__ import annotations
 
 import base64
 
+import torch
 from hypothesis import strategies as st
+
+from sgl_embeds_srt.image_spans import VIDEO_TIME
+from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
 
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
 scalars = st.one_of(numbers, st.booleans(), st.none(), st.text(max_size=5))
@@ -18,3 +23,105 @@ binary_objects = st.fixed_dictionaries(
 )
 rows = st.lists(st.lists(numbers, min_size=0, max_size=8), min_size=0, max_size=6)
 payloads = st.one_of(binary_objects, rows, json_values)
+
+
+# -- whole prompts for a served model, from what its /sgl_embeds/info says ---------------------
+# Mostly of the right form (span width, t = 1 for an image, grid sides multiples of the merge size,
+# the family's time field on a clip, the grid's row count, vision tokens around a grid span), so
+# that the deepest checks are reached and some prompts are served; otherwise one thing wrong.
+
+VISION_TEXT = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+WORDS = ("the", " red", " fox", " is", "\n")
+HELD_ROWS = 4  # the rows of the span a fuzzed server holds by handle: a [1, 2m, 2m] image grid's
+UNKNOWN_HANDLE = "span-" + "0" * 64
+DTYPES = (torch.float32, torch.float32, torch.bfloat16, torch.float16)
+
+
+def held_grid(merge: int) -> list[int]:
+    """The image grid of ``HELD_ROWS`` rows at merge size ``merge``."""
+    return [1, 2 * merge, 2 * merge]
+
+
+# What a grid span gets wrong, one thing at a time (None: nothing), so that each check is reached
+# rather than hidden behind another's refusal
+FAULTS = (None, "time", "rows", None, "time", "rows", None, "time", "t", "side", "width")
+TIME_NAMES = ([], [SECONDS_PER_STEP], [TIMESTAMPS], [SECONDS_PER_STEP, TIMESTAMPS])
+
+
+def _spread(draw, choices):
+    """One of ``choices``, near uniformly: the residue of a wide integer, where ``sampled_from``
+    draws its first choices so often that a run of 100 prompts left whole faults unseen."""
+    return choices[draw(st.integers(0, 2**20)) % len(choices)]
+
+
+def _time_fields(draw, t: int, names: list[str], bad_values: bool) -> dict:
+    """The time fields ``names`` of a clip of ``t`` steps: good values, or else bad ones (zero,
+    negative or NaN seconds; a time per step too many or too few, or negative)."""
+    fields = {}
+    if SECONDS_PER_STEP in names:
+        fields[SECONDS_PER_STEP] = draw(st.sampled_from([0.0, -1.0, float("nan")]) if bad_values else st.floats(0.1, 4))
+    if TIMESTAMPS in names:
+        times = st.floats(0, 20)
+        fields[TIMESTAMPS] = draw(st.lists(times, min_size=t + 1, max_size=t + 2) | st.lists(times, max_size=t - 1)
+                                  | st.just([-1.0] * t) if bad_values else st.lists(times, min_size=t, max_size=t))
+    return fields
+
+
+@st.composite
+def grid_spans(draw, info: dict) -> dict:
+    """A span segment (rows a tensor) with an image grid, a clip grid (with its time fields) or
+    none, right or with one fault: t > 1 image grids, zeros and negatives, wrong row counts, time
+    fields missing, foreign or of bad values, another width."""
+    vision = info["vision"]
+    merge = vision["merge_size"] if vision else 2
+    kind = _spread(draw, ["clip", "image", "clip", "plain"] if vision else ["plain", "image", "plain", "clip"])
+    fault = _spread(draw, FAULTS)
+    t = 1 if kind == "image" else draw(st.integers(1, 3))
+    h, w = draw(st.integers(1, 3)) * merge, draw(st.integers(1, 3)) * merge
+    if fault == "t":
+        t = draw(st.sampled_from([0, -1, 2 if kind == "image" else -2]))
+    elif fault == "side":
+        h = draw(st.sampled_from([0, -merge, merge + 1]))
+    right = max(1, t * h * w // merge**2) if kind != "plain" else draw(st.integers(1, 12))
+    fields: dict = {} if kind == "plain" else {IMAGE_GRID if kind == "image" else VIDEO_GRID: [t, h, w]}
+    wanted = VIDEO_TIME.get(vision["model_type"]) if vision and kind == "clip" else None
+    names = [wanted] if wanted else []
+    if fault == "time":
+        names = draw(st.sampled_from([other for other in TIME_NAMES if other != names] + [names]))
+    fields.update(_time_fields(draw, t, names, bad_values=fault == "time" and names == ([wanted] if wanted else [])))
+    n = draw(st.integers(0, 30).filter(lambda k: k != right)) if fault == "rows" else right
+    width = info["span_width"]
+    if fault == "width":
+        width = draw(st.sampled_from([width + 1, info["hidden_size"] if info["hidden_size"] != width else width - 1]))
+    rows = torch.randn(n, width, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16)))) * 0.05
+    return {"type": "embeds", "embeds": rows.to(draw(st.sampled_from(DTYPES))), **fields}
+
+
+def held_spans(info: dict, handle: str):
+    """A span by handle: the one the server holds (with its image grid or none) or an unknown one."""
+    merge = info["vision"]["merge_size"] if info["vision"] else 2
+    return st.builds(lambda h, grid: {"type": "embeds", "embeds": {"handle": h}, **grid},
+                     st.sampled_from([handle, handle, UNKNOWN_HANDLE]),
+                     st.sampled_from([{IMAGE_GRID: held_grid(merge)}, {}]))
+
+
+def prompts(info: dict, handle: str):
+    """Segment lists (span rows as tensors): random interleavings of text (vision tokens as text
+    included), ids (the vision start, end and pad ids included, and ids out of the vocabulary),
+    spans, held spans, and spans between the vision tokens as a chat template writes them."""
+    vocab, vision = info["vocab_size"], info["vision"]
+    special = [vision[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                   "video_token_id")] if vision else []
+    one_id = st.integers(0, vocab - 1) | st.integers(0, vocab - 1) | st.sampled_from(special or [0]) | st.sampled_from([vocab, -1])
+    words = st.lists(st.sampled_from(WORDS + WORDS + VISION_TEXT), min_size=1, max_size=3).map("".join)
+    text = words.map(lambda t: {"type": "text", "text": t})
+    ids = st.lists(one_id, min_size=1, max_size=3).map(lambda i: {"type": "input_ids", "input_ids": i})
+    span = grid_spans(info) | held_spans(info, handle)
+    start_id, end_id = (special[:2] if vision else [0, 0])
+    opening = (st.lists(st.sampled_from(WORDS), max_size=2).map(lambda w: {"type": "text", "text": "".join(w) + VISION_TEXT[0]})
+               | st.just({"type": "input_ids", "input_ids": [start_id]}))
+    closing = (st.lists(st.sampled_from(WORDS), max_size=2).map(lambda w: {"type": "text", "text": VISION_TEXT[1] + "".join(w)})
+               | st.just({"type": "input_ids", "input_ids": [end_id]}))
+    framed = st.tuples(opening, span, closing).map(list)
+    unit = framed | text.map(lambda s: [s]) | framed | ids.map(lambda s: [s]) | framed | span.map(lambda s: [s])
+    return st.lists(unit, min_size=1, max_size=3).map(lambda units: [s for u in units for s in u])

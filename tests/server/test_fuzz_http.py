@@ -1,10 +1,21 @@
-"""Hostile input over HTTP: random span fields on /generate and the OpenAI routes always get a
-4xx with a message (or a 200 when they happen to be valid), never a 5xx or a dead scheduler; on a
-text model and on a natively served Qwen2.5-VL, where spans carry (random) image grids too."""
+"""Hostile input over HTTP, never a 5xx: a 200 with a well-formed answer, or a 4xx with an error
+body, and a live server that answers a good request as HF does afterwards.
+
+Two fuzzers, on a server of every family served (``helpers.FAMILY_SERVERS``): random span fields
+(payloads well-formed or not) on /generate and the OpenAI routes; and random prompts: interleavings of text, ids (the vision start, end and pad ids
+included), spans with and without image and clip grids, and spans by handle, sent as JSON or as a
+binary body on /generate, /v1/completions and /v1/chat/completions. The outcomes are counted:
+some prompts must be served (images and clips on the Qwen-VL families) and some refused, and the
+grid and clip checks must be reached.
+
+CI runs a fixed, derandomized set of examples; ``SGL_EMBEDS_FUZZ_EXAMPLES=N`` runs N random ones
+per fuzzer and server and prints the counts (``scripts/fuzz_long.sh``)."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 
 import pytest
 import requests
@@ -13,72 +24,187 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helpers
-from sgl_embeds_srt import wire
-from strategies import json_values, payloads
+from llava_harness import LlavaHarness
+from qwen_vl_harness import ask, assert_matches_hf, chat_text, grid_span, span_segments
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
+from sgl_embeds_srt import binary_body, wire
+from sgl_embeds_srt.segments import GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
+from strategies import HELD_ROWS, payloads, prompts
+
+pytestmark = pytest.mark.beside_last_use  # where the servers of the families run anyway
+LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
+PAYLOAD_EXAMPLES, PROMPT_EXAMPLES = (LONG, LONG) if LONG else (24, 100)
+FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+ONE_TOKEN = {"max_new_tokens": 1}
 
 ROUTES = {
-    "/generate": lambda p: {"input_segments": [{"type": "text", "text": "a"}, {"type": "embeds", "embeds": p}], "sampling_params": {"max_new_tokens": 1}},
-    "/generate#full": lambda p: {"input_embeds": p, "sampling_params": {"max_new_tokens": 1}},
+    "/generate": lambda p: {"input_segments": [{"type": "text", "text": "a"}, {"type": "embeds", "embeds": p}], "sampling_params": ONE_TOKEN},
+    "/generate#full": lambda p: {"input_embeds": p, "sampling_params": ONE_TOKEN},
     "/v1/completions": lambda p: {"model": "default", "prompt": "", "max_tokens": 1, "input_embeds": p},
     "/v1/chat/completions": lambda p: {"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "input_embeds", "input_embeds": p}]}]},
 }
-VISION_START = "<|vision_start|>"
-# what a grid span may carry: grids of the right form (mostly of wrong sizes) and anything else,
-# with well-formed rows of the model's width half the time, so the grid checks are reached
-# (the right form half the time: one_of draws its branches about equally)
-grid_form = st.lists(st.integers(1, 12), min_size=3, max_size=3)
-grids = st.one_of(grid_form, grid_form, st.lists(st.integers(-3, 40), max_size=4), json_values)
-good_rows = st.integers(1, 24).map(lambda n: wire.encode_tensor(torch.randn(n, 64) * 0.05))
-GRID_ROUTES = {
-    "/generate#grid": lambda p, g: {"input_segments": [{"type": "text", "text": VISION_START},
-                                                       {"type": "embeds", "embeds": p, "image_grid_thw": g},
-                                                       {"type": "text", "text": "<|vision_end|>"}],
-                                    "sampling_params": {"max_new_tokens": 1}},
-    "/v1/chat/completions#grid": lambda p, g: {"model": "default", "max_tokens": 1, "messages": [
-        {"role": "user", "content": [{"type": "input_embeds", "input_embeds": p, "image_grid_thw": g}]}]},
+
+
+def _chat_parts(segments: list[dict]) -> list[dict]:
+    """A prompt's text and spans as chat content parts (a chat has no ids parts: they are left out)."""
+    parts = [{"type": "text", "text": s["text"]} if s["type"] == "text"
+             else {"type": "input_embeds", "input_embeds": s["embeds"], **{k: s[k] for k in GRID_FIELDS if k in s}}
+             for s in segments if s["type"] != "input_ids"]
+    return parts or [{"type": "text", "text": "a"}]
+
+
+PROMPT_ROUTES = {
+    "/generate": lambda segments: {"input_segments": segments, "sampling_params": ONE_TOKEN},
+    "/v1/completions": lambda segments: {"model": "default", "prompt": "", "max_tokens": 1, "input_segments": segments},
+    "/v1/chat/completions": lambda segments: {"model": "default", "max_tokens": 1, "messages": [
+        {"role": "user", "content": _chat_parts(segments)}]},
 }
-SERVERS = ["llama", "qwen_vl_spans"]
-EXAMPLES = 100
-SEEN: dict[str, dict[int, int]] = {name: {} for name in SERVERS}
-GRID_REFUSALS: list[str] = []  # 400s about a grid the server could decode: the grid checks ran
+# A phrase of each check's refusal (segments.Grid, image_spans.check_grid_span and check_vision_ids,
+# parse, prompts) -> the check, to count which checks the fuzzed prompts reached
+CHECKS = {
+    "rows (merge size": "grid rows",
+    "a clip on ": "clip time",
+    "a finite number of seconds": "clip time",
+    "one time in seconds": "clip time",
+    "an image's grid has t = 1": "image t = 1",
+    "of positive ints": "grid form",
+    "multiples of the merge size": "grid sides",
+    "are a clip's time": "time without a clip",
+    "must follow the vision-start token": "vision start",
+    "must be followed by the vision-end token": "vision end",
+    "outside a grid span": "pad outside a span",
+    "places rows at 1-D positions": "grid on a 1-D model",
+    "give the span its": "span without a grid",
+    "unknown span handle": "unknown handle",
+    "outside the vocabulary": "ids",
+}
+OUTCOMES: dict[str, Counter] = {name: Counter() for name in helpers.FAMILY_SERVERS}
 
 
-def _post(server, route: str, body: dict) -> requests.Response:
-    # Python's json writes NaN / Infinity as bare tokens (not JSON, but what a careless client sends)
-    raw = json.dumps(body, allow_nan=True).encode()
-    return requests.post(server.url + route.split("#")[0], data=raw, headers={"content-type": "application/json"}, timeout=60)
+def _post(server, route: str, body: dict, binary: bool = False) -> requests.Response:
+    """``body`` (its spans tensors or wire objects) as a binary body, or as JSON: Python's json
+    writes NaN / Infinity as bare tokens (not JSON, but what a careless client sends)."""
+    if binary:
+        data, content_type = binary_body.encode_body(body)
+    else:
+        data, content_type = json.dumps(binary_body.json_form(body), allow_nan=True).encode(), "application/json"
+    return requests.post(server.url + route.split("#")[0], data=data, headers={"content-type": content_type},
+                         timeout=120)
 
 
-@pytest.mark.parametrize("server_name", helpers.pooled(SERVERS))
-@settings(max_examples=EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def _assert_an_error_body(r: requests.Response, context) -> str:
+    assert 400 <= r.status_code < 500, (context, r.status_code, r.text[:300])
+    message = helpers.error_message(r)
+    assert message, (context, r.text[:300])
+    return message
+
+
+@pytest.fixture(scope="module", params=helpers.pooled(helpers.FAMILY_SERVERS))
+def server_name(request):
+    """A family's server: each runs this module's tests one after the other (pytest groups them)."""
+    return request.param
+
+
+@settings(max_examples=PAYLOAD_EXAMPLES, **FUZZ)
 @given(data=st.data())
 def test_random_span_fields_never_cause_a_server_error(servers, server_name, data):
     server = servers.get(server_name)[0]
-    routes = {**ROUTES, **GRID_ROUTES} if server_name == "qwen_vl_spans" else ROUTES
-    # the grid routes drawn about half the time on the VLM, so that the grid checks are reached
-    route = data.draw(st.sampled_from(sorted(routes) + sorted(GRID_ROUTES) * 3 if server_name == "qwen_vl_spans"
-                                      else sorted(routes)), "route")
-    build = routes[route]
-    payload = data.draw(st.one_of(good_rows, good_rows, good_rows, payloads) if route in GRID_ROUTES else payloads,
-                        "payload")
-    body = build(payload, data.draw(grids, "grid")) if route in GRID_ROUTES else build(payload)
-    r = _post(server, route, body)
-    SEEN[server_name][r.status_code] = SEEN[server_name].get(r.status_code, 0) + 1
-    assert r.status_code < 500, (route, r.status_code, r.text[:300])
-    if r.status_code >= 400:
-        assert r.json().get("message") or r.json().get("error"), r.text[:300]
-        if route in GRID_ROUTES and "image_grid_thw [" in r.text:
-            GRID_REFUSALS.append(r.json()["message"])
+    route = data.draw(st.sampled_from(sorted(ROUTES)), "route")
+    r = _post(server, route, ROUTES[route](data.draw(payloads, "payload")))
+    if r.status_code != 200:
+        _assert_an_error_body(r, route)
 
 
-@pytest.mark.parametrize("server_name", helpers.pooled(SERVERS))
-def test_the_server_still_serves_after_the_fuzzing(servers, server_name):
+@pytest.fixture
+def served(servers, server_name):
+    """(the server, its /sgl_embeds/info, the handle of a span of ``HELD_ROWS`` rows it holds)."""
     server = servers.get(server_name)[0]
-    assert sum(SEEN[server_name].values()) == EXAMPLES, SEEN  # every example was sent (and answered)
-    if server_name == "qwen_vl_spans":
-        assert GRID_REFUSALS, "no example reached the grid checks"
-    assert server.alive()
-    r = server.generate({"text": "the red fox", "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    info = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()
+    rows = helpers.seeded_rows(5, HELD_ROWS, info["span_width"])
+    up = requests.post(server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}, timeout=60)
+    assert up.status_code == 200, up.text
+    return server, info, up.json()["handle"]
+
+
+def _kinds(segments: list[dict]) -> set[str]:
+    """What spans a prompt holds: "image", "clip", "span" (no grid), "handle"."""
+    kinds = set()
+    for s in segments:
+        if s["type"] == "embeds":
+            kinds.add("image" if IMAGE_GRID in s else "clip" if VIDEO_GRID in s else "span")
+            if isinstance(s["embeds"], dict):
+                kinds.add("handle")
+    return kinds
+
+
+def _assert_well_formed(route: str, answer: dict, vocab: int) -> None:
+    """A 200's answer: one new token of the vocabulary, and the prompt's length."""
+    if route == "/generate":
+        assert isinstance(answer["text"], str) and answer["meta_info"]["prompt_tokens"] > 0, answer
+        assert len(answer["output_ids"]) == 1 and 0 <= answer["output_ids"][0] < vocab, answer
+    else:
+        choice = answer["choices"][0]
+        assert isinstance(choice["text"] if route == "/v1/completions" else choice["message"]["content"], str), answer
+        assert answer["usage"]["prompt_tokens"] > 0 and answer["usage"]["completion_tokens"] == 1, answer
+
+
+@settings(max_examples=PROMPT_EXAMPLES, **FUZZ)
+@given(data=st.data())
+def test_random_prompts_never_cause_a_server_error(served, server_name, data):
+    server, info, handle = served
+    segments = data.draw(prompts(info, handle), "segments")
+    route = data.draw(st.sampled_from(sorted(PROMPT_ROUTES)), "route")
+    binary = data.draw(st.booleans(), "binary")
+    r = _post(server, route, PROMPT_ROUTES[route](segments), binary)
+    outcomes = OUTCOMES[server_name]
+    if r.status_code == 200:
+        _assert_well_formed(route, r.json(), info["vocab_size"])
+        outcomes.update(["200", *(f"200 {kind}" for kind in _kinds(segments))])
+    else:
+        message = _assert_an_error_body(r, (route, binary, segments))
+        outcomes.update(["4xx", *{f"4xx {check}" for phrase, check in CHECKS.items() if phrase in message}])
+
+
+# The checkpoints of the Qwen-VL servers (theirs with NaN vision towers)
+QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": tiny_qwen3_vl_dir,
+                       "qwen2_vl_spans": tiny_qwen2_vl_dir}
+# What the fuzzed prompts must have reached, beyond some 200s and some 4xx, each one of some
+# outcomes: on the M-RoPE VLMs served images and clips, a grid check's refusal and a clip's time
+# check's; elsewhere served spans and the refusal of a grid
+GRID_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1")
+REACHED = {name: [("200 image",), ("200 clip",), GRID_CHECKS, ("4xx clip time",)] for name in QWEN_VL_CHECKPOINTS}
+REACHED_1D = [("200 span",), ("4xx grid on a 1-D model",)]
+
+
+def _answers_like_hf(name: str, server, llava_dirs) -> None:
+    """One good span prompt: the server's answer (tokens and logprobs) equals HF's."""
+    image = sample_images()["square"]
+    if name in QWEN_VL_CHECKPOINTS:
+        checkpoint = QWEN_VL_CHECKPOINTS[name]()
+        text = chat_text(checkpoint, "what is the color of the object", 1)
+        assert_matches_hf(ask(server, span_segments(text, [grid_span(checkpoint, image)])), checkpoint, text,
+                          [image], name)
+    elif name == "llava_next":
+        harness = LlavaHarness(name, *llava_dirs(name), server)
+        text = harness.text("what is the color of the object")
+        harness.check(harness.generate(text, [image]), text, [image], name)
+    else:
+        rows = helpers.seeded_rows(11, 6)
+        out = helpers.generate(server, helpers.body([helpers.text("the fox"), helpers.span(rows)], 8,
+                                                    **helpers.OUTPUT_LOGPROBS))
+        embeds = [helpers.reference_embeds(server.model_dir, ["the fox", r]) for r in (rows, rows.flip(0))]
+        ref.assert_matches_hf(out, server.model_dir, embeds[0], 8, name, other_span_embeds=embeds[1])
+
+
+def test_the_server_still_serves_after_the_fuzzing(servers, server_name, llava_dirs):
+    server = servers.get(server_name)[0]
+    outcomes = OUTCOMES[server_name]
+    print(f"fuzz {server_name}: {PROMPT_EXAMPLES} prompts: {dict(sorted(outcomes.items()))}")
+    assert outcomes["200"] + outcomes["4xx"] == PROMPT_EXAMPLES, outcomes  # each sent, and answered
+    assert min(outcomes["200"], outcomes["4xx"]) >= PROMPT_EXAMPLES // 8, outcomes
+    missed = [any_of for any_of in REACHED.get(server_name, REACHED_1D) if not set(any_of) & set(outcomes)]
+    assert not missed, f"no fuzzed prompt reached any of {missed}: {outcomes}"
+    assert server.alive() and requests.get(server.url + "/health", timeout=10).status_code == 200
+    _answers_like_hf(server_name, server, llava_dirs)

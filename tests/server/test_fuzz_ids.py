@@ -1,5 +1,6 @@
 """Token ids at the boundaries, on every route and form that takes ids: each hostile request gets
-a 4xx that says what is wrong, and the server answers a valid request right after it.
+a 4xx that says what is wrong, and the server answers a valid request right after it; on a server
+of every family served (``helpers.FAMILY_SERVERS``).
 
 Stock SGLang 0.5.23 passes such ids to the embedding lookup, where they kill the scheduler
 process (see docs/reliability.md). The unit checks of the id guards: ``unit/test_token_ids.py``."""
@@ -12,7 +13,9 @@ import requests
 import helpers
 from helpers import seeded_rows, span, text
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
+from strategies import HELD_ROWS, held_grid
 
+pytestmark = pytest.mark.beside_last_use  # where the servers of the families run anyway
 VOCAB = 507  # the tiny Llama's (its tokenizer's size; checked against the server below)
 
 
@@ -20,12 +23,14 @@ def _hostile(vocab: int) -> list:
     return [vocab, vocab + 1, 2**31, 2**62, 2**62 + 12345, 2**63 - 1, 2**63, 2**64 + 5, -1, -3, 1.5, "7", True, None]
 
 
-# a valid span prompt start on each server: a plain span, or an image span (grid 1x4x4: 4 rows)
-SPAN_STARTS = {
-    "llama": [text("the"), span(seeded_rows(1, 3))],
-    "qwen_vl_spans": [text("the <|vision_start|>"), {**span(seeded_rows(1, 4)), "image_grid_thw": [1, 4, 4]},
-                      text("<|vision_end|>")],
-}
+def _span_start(info: dict) -> list:
+    """A valid span prompt start on a server (its /sgl_embeds/info): a plain span, or on an M-RoPE
+    VLM an image span between the vision tokens."""
+    rows = seeded_rows(1, HELD_ROWS, info["span_width"])
+    if info["vision"] is None:
+        return [text("the"), span(rows)]
+    return [text("the <|vision_start|>"), {**span(rows), "image_grid_thw": held_grid(info["vision"]["merge_size"])},
+            text("<|vision_end|>")]
 
 
 def _forms(bad, span_start: list) -> dict[str, tuple[str, dict, str]]:
@@ -45,34 +50,30 @@ def _forms(bad, span_start: list) -> dict[str, tuple[str, dict, str]]:
     }
 
 
-def _message(r: requests.Response) -> str:
-    payload = r.json()
-    return payload.get("message") or (payload.get("error") or {}).get("message", "")
-
-
 def _alive(server) -> None:
     r = requests.post(server.url + "/generate", json={"text": "the red fox", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("server_name", helpers.pooled(sorted(SPAN_STARTS)))
+@pytest.mark.parametrize("server_name", helpers.pooled(helpers.FAMILY_SERVERS))
 def test_boundary_ids_get_4xx_and_never_take_the_server_down(servers, server_name):
     server = servers.get(server_name)[0]
-    vocab = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["vocab_size"]
+    info = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()
+    vocab = info["vocab_size"]
     if server_name == "llama":
         assert vocab == VOCAB
     unnamed = []  # refusals that do not say where the bad id stands
     for bad in _hostile(vocab):
-        for form, (path, body, where) in _forms(bad, SPAN_STARTS[server_name]).items():
+        for form, (path, body, where) in _forms(bad, _span_start(info)).items():
             r = requests.post(server.url + path, json=body, timeout=60)
             assert 400 <= r.status_code < 500, (form, bad, r.status_code, r.text[:300])
-            if where not in _message(r):
-                unnamed.append((form, bad, _message(r)[:200]))
+            if where not in helpers.error_message(r):
+                unnamed.append((form, bad, helpers.error_message(r)[:200]))
             assert server.alive(), (form, bad)
         _alive(server)
     assert not unnamed, "\n".join(map(str, unnamed))
     # the last valid id is served on every form
-    for form, (path, body, _) in _forms(vocab - 1, SPAN_STARTS[server_name]).items():
+    for form, (path, body, _) in _forms(vocab - 1, _span_start(info)).items():
         r = requests.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 200, (form, r.text[:300])
 
