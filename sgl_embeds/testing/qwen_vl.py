@@ -202,8 +202,9 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
-        if family == "qwen3_5":  # SGLang reads the layer kinds from it; HF keeps only layer_types
-            _set_text_config(tmp, full_attention_interval=FULL_ATTENTION_INTERVAL)
+        if family == "qwen3_5":  # fields SGLang reads and HF does not keep, as real checkpoints have
+            _set_config(tmp, "text_config", full_attention_interval=FULL_ATTENTION_INTERVAL)
+            _set_config(tmp, "vision_config", deepstack_visual_indexes=[])  # SGLang's default: 3 layers
         min_tokens, max_tokens = image_tokens
         pixels = dict(patch_size=patch, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         image_processor = Qwen2VLImageProcessor(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
@@ -225,10 +226,10 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
     return _build_atomically(cache_dir() / name, build)
 
 
-def _set_text_config(directory: Path, **fields) -> None:
+def _set_config(directory: Path, part: str, **fields) -> None:
     path = directory / "config.json"
     config = json.loads(path.read_text())
-    config["text_config"].update(fields)
+    config[part].update(fields)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

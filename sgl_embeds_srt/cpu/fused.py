@@ -5,11 +5,17 @@ Each keeps the schema of its call site and the meaning of SGLang's Triton kernel
 name (``srt/models/utils.py``, ``kernels/ops/attention/triton_gdn_fused_proj.py``); the norms
 are Qwen3.5's zero-centred RMS norms, ``x / rms(x) * (1 + w)``, computed in float32 and returned
 in the input's dtype (HF's ``Qwen3_5RMSNorm``).
+
+``rms_norm_gated`` is not an ``sgl_kernel`` op but the plugin's hook around SGLang's gated RMS
+norm (``targets.GATED_RMSNORM_FORWARD``): on a CPU without AMX SGLang would run a Triton kernel.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
+import torch.nn.functional as F
 
 
 def _gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,3 +55,19 @@ def fused_qkvzba_split_reshape_cat_contiguous_cpu(mixed_qkvz: torch.Tensor, mixe
     qkv = mixed_qkvz[:, :qkv_dim].contiguous()
     z = mixed_qkvz[:, qkv_dim:].reshape(tokens, num_heads_v, head_v).contiguous()
     return qkv, z, mixed_ba[:, :num_heads_v].contiguous(), mixed_ba[:, num_heads_v:].contiguous()
+
+
+def rms_norm_gated(original: Callable, self: Any, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * x / rms(x) * silu(z)`` (HF's ``Qwen3_5RMSNormGated``, float32 inside) for
+    SGLang's ``fla.layernorm_gated.RMSNorm`` on CPU tensors, where SGLang has no kernel of its own
+    (its ``sgl_kernel`` one needs AMX); anything else goes to ``original``."""
+    from sglang.kernels.ops.attention.fla import layernorm_gated  # SGLang is loaded when this runs
+
+    plain = self.norm_before_gate and self.group_size is None and self.activation in ("swish", "silu")
+    if x.device.type != "cpu" or layernorm_gated._use_cpu or not plain:
+        return original(self, x, z)
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)

@@ -206,3 +206,16 @@ def test_qkvzba_split_follows_the_checkpoint_layout():
     q, k, v, zz = qkvz.split([hk * dk, hk * dk, hv * dv, hv * dv], dim=-1)  # HF: in_proj_qkv, in_proj_z
     assert torch.equal(qkv, torch.cat([q, k, v], -1)) and torch.equal(z, zz.reshape(tokens, hv, dv))
     assert torch.equal(b, ba[:, :hv]) and torch.equal(a, ba[:, hv:])
+
+
+def test_gated_rmsnorm_hook_equals_hf_norm():
+    from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    ours, theirs = RMSNorm(12, eps=1e-6), hf.Qwen3_5RMSNormGated(12, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_(generator=gen)
+        theirs.weight.copy_(ours.weight)
+    x, z = torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen)
+    stock = lambda *args: pytest.fail("the CPU path must not reach SGLang's Triton kernel")  # noqa: E731
+    torch.testing.assert_close(fused.rms_norm_gated(stock, ours, x, z), theirs(x, z), **TOL)
