@@ -4,7 +4,9 @@ attention with a recurrent state) to one of full attention, whose ops come from 
 ``Qwen3_5ForConditionalGeneration`` (float32, its pure-torch recurrent kernels): prompts prefilled
 in chunks of 16 positions (the state carried from chunk to chunk), then decoded step by step;
 requests batched together (each its own state slot); a repeat served from the prefix cache
-(``MambaRadixCache``, which holds the recurrent state) gives the same answer."""
+(``MambaRadixCache``, which holds the recurrent state) gives the same answer. Image spans (item 2)
+as on Qwen3-VL, without deepstack rows: the server's vision weights are NaN, so an answer equal
+to HF's on the pixels proves the tower never ran."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import functools
 import pytest
 
 import helpers
-from qwen_vl_harness import MIN_COMPARED, MAX_TOKENS, chat_text
+from qwen_vl_harness import MIN_COMPARED, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen3_5_dir
+from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, sample_images, tiny_qwen3_5_dir
 
 pytestmark = pytest.mark.server
 CHUNK = 16  # the server's --chunked-prefill-size
@@ -83,3 +85,13 @@ def test_a_repeat_is_served_from_the_cache_with_the_same_answer(server, checkpoi
     # repeat's state past the shared part
     other = chat_text(checkpoint, "which object is at the bottom right corner of the picture", 0)
     _assert_matches_hf(_ask(server, other), checkpoint, other, "other question")
+
+
+def test_image_spans_equal_hf_on_the_pixels(server, checkpoint):
+    text = chat_text(checkpoint, "what is the color of the object", 1)
+    answers = {}
+    for name, image in list(sample_images().items())[:2]:
+        out = ask(server, span_segments(text, [grid_span(checkpoint, image)]))
+        assert out["meta_info"]["prompt_tokens"] == len(qwen_vl_inputs(checkpoint, text, [image])["input_ids"][0])
+        answers[name] = tuple(assert_matches_hf(out, checkpoint, text, [image], name))
+    assert len(set(answers.values())) == len(answers), f"images must change HF's answer: {answers}"
