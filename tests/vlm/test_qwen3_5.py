@@ -18,7 +18,15 @@ import pytest
 import helpers
 from qwen_vl_harness import MIN_COMPARED, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span, span_segments
 from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, sample_images, tiny_qwen3_5_dir
+from sgl_embeds.testing.qwen_vl import (
+    IMAGE_PLACEHOLDER,
+    VISION_START,
+    hf_qwen_vl,
+    qwen_vl_greedy,
+    qwen_vl_inputs,
+    sample_images,
+    tiny_qwen3_5_dir,
+)
 
 pytestmark = pytest.mark.server
 CHUNK = 16  # the server's --chunked-prefill-size
@@ -95,3 +103,25 @@ def test_image_spans_equal_hf_on_the_pixels(server, checkpoint):
         assert out["meta_info"]["prompt_tokens"] == len(qwen_vl_inputs(checkpoint, text, [image])["input_ids"][0])
         answers[name] = tuple(assert_matches_hf(out, checkpoint, text, [image], name))
     assert len(set(answers.values())) == len(answers), f"images must change HF's answer: {answers}"
+
+
+def test_a_repeated_span_is_cached_with_its_state_and_another_image_shares_none(server, checkpoint):
+    """The prefix cache holds the recurrent state at the nodes it keeps: a repeat of a span prompt
+    hits through the span (its answer HF's); an image of the same grid after the same text
+    matches at most the text before it, and its answer is HF's on its own pixels."""
+    text = chat_text(checkpoint, "describe it in a few words", 1)
+    stripes, checks = sample_images()["stripes"], sample_images()["checks"]  # one grid (1x4x8)
+    span = grid_span(checkpoint, stripes)
+    first = ask(server, span_segments(text, [span]))
+    again = ask(server, span_segments(text, [span]))
+    before = len(qwen_vl_inputs(checkpoint, text.split(IMAGE_PLACEHOLDER)[0] + VISION_START, [])["input_ids"][0])
+    rows = span["image_grid_thw"][1] * span["image_grid_thw"][2] // 4
+    meta = again["meta_info"]
+    print(f"repeat: {meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens cached "
+          f"({before} before the span, {rows} span rows)")
+    assert meta["cached_tokens"] >= before + rows, meta
+    assert again["output_ids"] == first["output_ids"]
+    assert_matches_hf(again, checkpoint, text, [stripes], "repeat")
+    other = ask(server, span_segments(text, [grid_span(checkpoint, checks)]))
+    assert other["meta_info"]["cached_tokens"] <= before, other["meta_info"]
+    assert_matches_hf(other, checkpoint, text, [checks], "another image")
