@@ -22,7 +22,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     (Imported here, not at module level: the plugin loads before SGLang's modules are ready.)"""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds_srt.cpu import attention
+    from sgl_embeds_srt.cpu import attention, fused
     from sgl_embeds_srt import engine, image_spans, logprobs, openai, scheduler, transport
 
     table = {
@@ -38,6 +38,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, image_spans.handle_generate_request),
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, image_spans.get_embedding_and_mask),
         targets.QWEN2_VISION_INIT: (HookType.AROUND, image_spans.qwen2_vision_init),
+        targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
     }
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)

@@ -63,6 +63,7 @@ SDPA_FORWARD_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNa
 HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
 QWEN2_VISION_INIT = "sglang.srt.models.qwen2_vl.Qwen2VisionTransformer.__init__"
+GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
@@ -100,6 +101,10 @@ PATCHED: dict[str, Guard] = {
     # Qwen2-VL checkpoints written by transformers 5 name the channels in_channels; SGLang reads
     # in_chans (image_spans.qwen2_vision_init gives it the value)
     QWEN2_VISION_INIT: server("vision_config.in_chans", fp="ab85a3c8256d1db7"),
+    # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
+    # its Triton kernel, which asks CUDA for the SM count; cpu.fused.rms_norm_gated computes it
+    GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
+                                  fp="e2927c7b3f0b4173"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),

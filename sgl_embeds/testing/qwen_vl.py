@@ -1,6 +1,6 @@
-"""Tiny random-weight Qwen-VL checkpoints (Qwen2.5-VL, Qwen2-VL, Qwen3-VL) that SGLang serves
-natively and HF loads as they are, and HF's own class on each as the reference for generated
-tokens.
+"""Tiny random-weight Qwen-VL checkpoints (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3.5) that SGLang
+serves natively and HF loads as they are, and HF's own class on each as the reference for
+generated tokens.
 
 An ordinary HF directory (config, float32 safetensors, tokenizer with the Qwen vision specials,
 chat template, ``Qwen2_5_VLProcessor`` with its image and video processors), built once into the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,7 @@ IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
 QWEN3_PATCH = 16  # Qwen3-VL's patch size
+FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth LLM layer is full attention, the rest linear
 FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
 # The Qwen chat format, with an image (a video) content part rendered as its placeholder.
@@ -112,6 +114,23 @@ def tiny_qwen3_vl_dir() -> Path:
                         (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
 
 
+def tiny_qwen3_5_dir() -> Path:
+    """A tiny random-weight ``Qwen3_5ForConditionalGeneration`` (Qwen3.5: hybrid, natively
+    multimodal): language model hidden 64, 4 layers, three Gated DeltaNet (linear attention: 2 key
+    heads and 4 value heads of 16, conv kernel 4) then one full attention (4 heads, 2 KV, head dim
+    32, output gate, rotary on a quarter of the head: interleaved M-RoPE sections [2, 1, 1]); the
+    vision half is Qwen3-VL's without deepstack (width 32, depth 2, patch 16). The zero-centred
+    norms get small random weights, so a kernel that drops their ``1 +`` is seen."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64)
+    return _qwen_vl_dir(f"tiny-qwen3_5-{QWEN_VL_CACHE_VERSION}", "qwen3_5", text, vision,
+                        (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
+
+
 def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
                     init: tuple[int, float, float]) -> Path:
     vision = dict(**vision_size, window_size=2 * FACTOR, fullatt_block_indexes=[1], tokens_per_second=2)
@@ -129,12 +148,14 @@ def _family_classes(family: str) -> tuple:
                        tf.Qwen2VLVideoProcessor, PATCH),
         "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLProcessor,
                      tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
+        "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor,
+                    tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
     }[family]
 
 
 def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
                  init: tuple[int, float, float]) -> Path:
-    """A random Qwen-VL model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) and the
+    """A random Qwen-VL model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5``) and the
     given sizes, with our tokenizer (vision specials included), the processor (images of
     ``image_tokens`` rows, min to max) and the chat template; ``init``: seed, language-model and
     merger weight scales."""
@@ -151,8 +172,10 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         # positions must fail the parity tests). Qwen3-VL interleaves the axes' frequencies (HF
         # always does; SGLang where the config says so, as real Qwen3-VL configs do).
         rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)}
-        if family == "qwen3_vl":
+        if family in ("qwen3_vl", "qwen3_5"):
             rope["mrope_interleaved"] = True
+        if family == "qwen3_5":  # rotary on a quarter of the head (Qwen3.5's own factor)
+            rope.update(partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
         text = dict(vocab_size=len(tok), **text_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, rope_parameters=rope)
         vision = dict(**vision_size, patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
@@ -160,7 +183,7 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
             text_config=text, vision_config=vision, tie_word_embeddings=False,
             image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
             vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-            **({} if family == "qwen3_vl" else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            **({} if family in ("qwen3_vl", "qwen3_5") else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                      pad_token_id=tok.pad_token_id)),
         )
         seed, lm_scale, merger_scale = init
@@ -169,6 +192,8 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
+                    if family == "qwen3_5" and "language_model" in name:  # zero-centred: 1 + w
+                        p.add_(0.3 * torch.randn_like(p))
                     continue
                 if "language_model" in name or name.startswith("lm_head"):
                     p.mul_(lm_scale)
@@ -177,11 +202,14 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
+        if family == "qwen3_5":  # fields SGLang reads and HF does not keep, as real checkpoints have
+            _set_config(tmp, "text_config", full_attention_interval=FULL_ATTENTION_INTERVAL)
+            _set_config(tmp, "vision_config", deepstack_visual_indexes=[])  # SGLang's default: 3 layers
         min_tokens, max_tokens = image_tokens
         pixels = dict(patch_size=patch, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         image_processor = Qwen2VLImageProcessor(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
                                                 **pixels)
-        if family == "qwen3_vl":
+        if family in ("qwen3_vl", "qwen3_5"):
             video_processor = video_class(size={"shortest_edge": min_tokens * factor**2,
                                                 "longest_edge": 4 * max_tokens * factor**2},
                                           do_sample_frames=False, **pixels)
@@ -196,6 +224,13 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
 
     return _build_atomically(cache_dir() / name, build)
+
+
+def _set_config(directory: Path, part: str, **fields) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config[part].update(fields)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # -- HF's Qwen-VL classes as the reference (float32, greedy) -----------------------------------

@@ -33,6 +33,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
@@ -44,7 +45,8 @@ from sgl_embeds.vlm.pixels import BACKENDS
 # The vision module of each family, as transformers builds it from the checkpoint's vision_config
 TOWERS = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
           "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
-          "qwen3_vl": Qwen3VLVisionModel}
+          "qwen3_vl": Qwen3VLVisionModel,
+          "qwen3_5": Qwen3_5VisionModel}  # Qwen3-VL's tower without deepstack
 MODEL_TYPES = tuple(TOWERS)
 # The vision weights: ``visual.*`` as transformers saves them, ``model.visual.*`` as the modules
 # of ``Qwen2_5_VLForConditionalGeneration`` name them.
@@ -159,7 +161,7 @@ def clip_time(model_type: str, n_frames: int, fps: float, temporal_patch: int) -
     Qwen2-VL none (its steps are 1 position apart)."""
     if model_type == "qwen2_5_vl":
         return {"second_per_grid_t": temporal_patch / fps}
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 takes Qwen3-VL's processor
         frames = list(range(n_frames)) + [n_frames - 1] * (-n_frames % temporal_patch)
         seconds = [frame / fps for frame in frames]  # HF's order of operations, for its rounding
         return {"timestamps": tuple((seconds[i] + seconds[i + temporal_patch - 1]) / 2

@@ -1,8 +1,9 @@
 """``python -m sgl_embeds_srt.cpu.check``: prove the environment can run SGLang here.
 
-Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU, and the
-plugin's patch targets; exits non-zero with the reason if anything is missing. Says which row
-hashing path was built: native (the C extension of setup.py) or the Python fallback.
+Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU (Qwen3.5's
+Gated DeltaNet backend among them), and the plugin's patch targets; exits non-zero with the
+reason if anything is missing. Says which row hashing path was built: native (the C extension of
+setup.py) or the Python fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def main() -> int:
     origin = getattr(sgl_kernel, "__file__", "?")
     print(f"sgl_kernel: {origin}")
     import sglang.srt.mem_cache.allocation  # noqa: F401  (imports a CPU op at import time)
+    # Qwen3.5's Gated DeltaNet backend looks up its sgl_kernel.mamba functions and torch ops on import
+    import sglang.srt.layers.attention.linear.gdn_backend  # noqa: F401
 
     from sgl_embeds_srt import targets
 

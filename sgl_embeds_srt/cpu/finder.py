@@ -16,7 +16,20 @@ import importlib.util
 import os
 import sys
 
-_KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+
+def _kernels_path() -> str:
+    """The ``kernels.py`` of the ``sgl_embeds_srt`` this process imports: a checkout on
+    ``PYTHONPATH`` (a worktree sharing another checkout's venv, whose ``.pth`` runs that
+    checkout's finder by path) brings its own ops; otherwise the one beside this file."""
+    spec = importlib.util.find_spec("sgl_embeds_srt")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "cpu", "kernels.py")
+        if os.path.exists(path):
+            return path
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+
+
+_KERNELS = _kernels_path()
 _NAMES = ("sgl_kernel", "sgl_kernel.mamba")
 _NEED_KERNELS_FIRST = ("sglang.srt.models.", "sglang.srt.multimodal.")
 

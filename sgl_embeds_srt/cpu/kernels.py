@@ -1,14 +1,18 @@
 """Reference implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU path calls.
 
-Loaded as the module ``sgl_kernel`` by ``sgl_embeds_srt.cpu.finder``. Each op mirrors the meaning
-of SGLang's Triton kernel of the same name. Any other name imported from here is a stub that
-raises ``NotImplementedError`` naming the op when it is called, never a silent no-op.
+Loaded as the module ``sgl_kernel`` (and ``sgl_kernel.mamba``) by ``sgl_embeds_srt.cpu.finder``.
+Each op mirrors the meaning of SGLang's Triton kernel of the same role; the Gated DeltaNet ops of
+Qwen3.5's linear-attention layers live in ``gdn.py``, its fused elementwise ops in ``fused.py``.
+Any other name imported from here is a stub that raises ``NotImplementedError`` naming the op
+when it is called, never a silent no-op.
 
 Some SGLang modules look ops up as torch ops at import time (``torch.ops.sgl_kernel.<name>``):
-the Qwen-VL processors import ``models/qwen3_5.py``, which does. ``TORCH_OPS`` registers those as
-real torch ops, with the schemas of their call sites (and of SGLang's own fakes for them in
-``model_executor/cpu_graph_runner.py``); no path we serve calls them, so each raises
-``NotImplementedError`` naming itself. The finder imports this module before those modules.
+the Qwen-VL processors import ``models/qwen3_5.py``, which does, and the GDN backend does when
+Qwen3.5 loads. ``TORCH_OPS`` registers those as real torch ops, with the schemas of their call
+sites (and of SGLang's own fakes for them in ``model_executor/cpu_graph_runner.py``). One of
+them, ``fused_input_proj_cpu``, is only reached with AMX and bfloat16 weights (its weights
+prepacked for AMX): it stays a stub that raises naming itself. The finder imports this module
+before those modules.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from sgl_embeds_srt.cpu import fused, gdn
+# sgl_kernel.mamba's names (the finder loads this module under both names)
+from sgl_embeds_srt.cpu.gdn import (  # noqa: F401
+    causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu,
+)
+
 
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
@@ -67,24 +78,35 @@ def _missing(name: str) -> Callable[..., Any]:
     return op
 
 
-TORCH_OPS = {
-    "fused_sigmoid_mul_cpu": "(Tensor(a!) x, Tensor gate) -> ()",
-    "fused_qk_gemma_rmsnorm_cpu":
+# name -> (schema, implementation; None: a stub that raises naming the op)
+TORCH_OPS: dict[str, tuple[str, Callable | None]] = {
+    "fused_sigmoid_mul_cpu": ("(Tensor(a!) x, Tensor gate) -> ()", fused.fused_sigmoid_mul_cpu),
+    "fused_qk_gemma_rmsnorm_cpu": (
         "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor)",
-    "fused_qk_gemma_rmsnorm_with_gate_cpu":
+        fused.fused_qk_gemma_rmsnorm_cpu),
+    "fused_qk_gemma_rmsnorm_with_gate_cpu": (
         "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim, int num_heads)"
-        " -> (Tensor, Tensor, Tensor)",
-    "fused_qkvzba_split_reshape_cat_contiguous_cpu":
+        " -> (Tensor, Tensor, Tensor)", fused.fused_qk_gemma_rmsnorm_with_gate_cpu),
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu": (
         "(Tensor mixed_qkvz, Tensor mixed_ba, int num_heads_qk, int num_heads_v, int head_qk, int head_v)"
-        " -> (Tensor, Tensor, Tensor, Tensor)",
-    "fused_input_proj_cpu":
-        "(Tensor hidden_states, Tensor qkvz_weight, Tensor ba_weight, bool is_vnni) -> (Tensor, Tensor)",
+        " -> (Tensor, Tensor, Tensor, Tensor)", fused.fused_qkvzba_split_reshape_cat_contiguous_cpu),
+    "fused_input_proj_cpu": (
+        "(Tensor hidden_states, Tensor qkvz_weight, Tensor ba_weight, bool is_vnni) -> (Tensor, Tensor)", None),
+    "fused_gdn_gating_cpu": ("(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) -> (Tensor, Tensor)",
+                             gdn.fused_gdn_gating_cpu),
+    "fused_sigmoid_gating_delta_rule_update_cpu": (
+        "(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b,"
+        " Tensor(a!) initial_state_source, Tensor initial_state_indices, Tensor? cu_seqlens=None,"
+        " bool use_qk_l2norm_in_kernel=False, float softplus_beta=1.0, float softplus_threshold=20.0,"
+        " bool is_kda=False, bool disable_state_update=False, Tensor? intermediate_states_buffer=None,"
+        " Tensor? intermediate_state_indices=None, int? cache_steps=None,"
+        " Tensor? retrieve_parent_token=None) -> Tensor", gdn.fused_sigmoid_gating_delta_rule_update_cpu),
 }
 _LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")  # FRAGMENT: others may define ops there too
-for _name, _schema in TORCH_OPS.items():
+for _name, (_schema, _impl) in TORCH_OPS.items():
     if not hasattr(torch.ops.sgl_kernel, _name):
         _LIBRARY.define(_name + _schema)
-        _LIBRARY.impl(_name, _missing(_name), "CompositeExplicitAutograd")
+        _LIBRARY.impl(_name, _impl or _missing(_name), "CompositeExplicitAutograd")
 
 
 def __getattr__(name: str) -> Any:
