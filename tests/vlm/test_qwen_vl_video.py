@@ -156,12 +156,12 @@ def test_a_program_with_sgl_video_and_the_client_vision_half(served):
         s += before + encoder.vision_start + sgl.video(frames, fps) + encoder.vision_end + after
         s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
 
-    def held() -> int:
-        return requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["rows_to_scheduler"]["held_spans"]
+    def held() -> int:  # spans the server's store holds
+        return requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["span_store"]["count"]
 
     held_before = held()
     answers = [ask_about.run(frames=frames, fps=2.0, backend=backend)["answer"] for _ in range(2)]
-    assert backend.sends_binary and held() == held_before + 1
+    assert backend.sends_binary and held() == held_before + 1 and backend.writer.held.sizes()[0] == 1
     direct = ask(server, span_segments(text, [clip_span(checkpoint, frames, 2.0)]))
     assert_matches_hf(direct, checkpoint, text, [], "the clip sent directly", clips=[(frames, 2.0)])
     assert answers == [direct["text"]] * 2
