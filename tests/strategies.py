@@ -61,8 +61,8 @@ def _time_fields(draw, t: int, names: list[str], bad_values: bool) -> dict:
     if SECONDS_PER_STEP in names:
         fields[SECONDS_PER_STEP] = draw(st.sampled_from([0.0, -1.0, float("nan")]) if bad_values else st.floats(0.1, 4))
     if TIMESTAMPS in names:
-        times = st.floats(0, 20)
-        fields[TIMESTAMPS] = draw(st.lists(times, min_size=t + 1, max_size=t + 2) | st.lists(times, max_size=t - 1)
+        times, t = st.floats(0, 20), max(t, 0)  # a grid's faulty t may be zero or negative
+        fields[TIMESTAMPS] = draw(st.lists(times, min_size=t + 1, max_size=t + 2) | st.lists(times, max_size=max(t - 1, 0))
                                   | st.just([-1.0] * t) if bad_values else st.lists(times, min_size=t, max_size=t))
     return fields
 
