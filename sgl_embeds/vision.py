@@ -31,7 +31,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence, Union
+from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
 import open_clip
@@ -202,26 +202,22 @@ class EncoderCache:
     def encode(self, encoder: VisionEncoder, image: Image.Image,
                region: Any = None) -> VisionRows:
         key = (self._identity(encoder), image_digest(image), _region_key(region, image))
-        encoded = self._lru.get(key)
-        if encoded is not None:
-            self.hits += 1
-            return encoded
-        self.misses += 1
-        encoded = encode_region(image, region, encoder)
-        self._lru.put(key, encoded)
-        return encoded
+        return self._cached(key, lambda: encode_region(image, region, encoder))
 
     def encode_clip(self, encoder: VisionEncoder, frames: Any, fps: float) -> VisionRows:
         """``encode_clip`` through the cache: a clip is keyed by its frames' content (their
         shape and bytes, in order) and its frame rate."""
         array, fps = clip_frames(frames), check_fps(fps)
         key = (self._identity(encoder), "clip", array.shape, fps, hashlib.sha256(array.tobytes()).hexdigest())
+        return self._cached(key, lambda: encode_clip(array, fps, encoder))
+
+    def _cached(self, key: tuple, encode: Callable[[], VisionRows]) -> VisionRows:
         encoded = self._lru.get(key)
         if encoded is not None:
             self.hits += 1
             return encoded
         self.misses += 1
-        encoded = encode_clip(array, fps, encoder)
+        encoded = encode()
         self._lru.put(key, encoded)
         return encoded
 
