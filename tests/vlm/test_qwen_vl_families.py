@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,9 +90,10 @@ def test_a_repeat_is_cached_and_another_grid_is_not(served):
         "the grid must change the positions, so the answer's numbers")
 
 
-def test_a_program_with_the_client_vision_half_sees_the_image_and_a_box(served):
+def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(served):
     """``load_encoder(DIR)`` gives this family's vision half: ``sgl.image`` and ``sgl.region``
-    between the vision tokens answer as HF does on the image and on the crop."""
+    (a box, a ring-shaped mask) between the vision tokens answer as HF does on the image, the
+    crop and the masked crop."""
     checkpoint, server = served
     encoder = load_encoder(checkpoint, device="cpu")
     backend = EmbedsEndpoint(server.url, vision_encoder=encoder)
@@ -102,14 +104,17 @@ def test_a_program_with_the_client_vision_half_sees_the_image_and_a_box(served):
 
     ask_about = image_program(before, after, encoder)
 
+    mask = np.zeros((image.height, image.width), dtype=bool)
+    mask[20:70, 10:50] = True
+    mask[30:60, 20:40] = False  # a ring: not a box
     references = {}
-    for name, region in {"image": None, "box": (8, 16, 56, 80)}.items():
+    for name, region in {"image": None, "box": (8, 16, 56, 80), "mask": mask}.items():
         seen = vision.region_image(image, region, encoder)
         encoded = encoder(seen)
         direct = ask(server, span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}]))
         references[name] = assert_matches_hf(direct, checkpoint, text, [seen], f"client encoder, {name}")
         assert ask_about.run(image=image, region=region, backend=backend)["answer"] == direct["text"], name
-    assert references["image"] != references["box"], f"the region must change HF: {references}"
+    assert len({tuple(r) for r in references.values()}) == 3, f"each region must change HF: {references}"
 
 
 @pytest.mark.parametrize("change, message", [
