@@ -4,7 +4,7 @@ It reads the checkpoint's ``config.json`` and takes the family's way (``plan``):
 
 * a LLaVA-family checkpoint (LLaVA-1.5, -NeXT, -OneVision) is split once into the split cache,
   a folder keyed by the checkpoint's content (``split_dir``), and its LLM is served;
-* a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served natively, with SGLang's
+* a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) is served natively, with SGLang's
   multimodal path on;
 * a text LLM that SGLang serves is served as it is (spans of its hidden size);
 * anything else is a one-line error naming the families served.
@@ -37,8 +37,8 @@ from sgl_embeds_srt.family import SPLIT_FAMILIES
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
 # A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
 CPU_KV_TOKENS = 16384
-SERVED = ("LLaVA-1.5 / LLaVA-NeXT / LLaVA-OneVision (split), Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
-          "(native), and text LLMs that SGLang serves")
+SERVED = ("LLaVA-1.5 / LLaVA-NeXT / LLaVA-OneVision (split), Qwen2-VL / Qwen2.5-VL / Qwen3-VL / "
+          "Qwen3.5 (native), and text LLMs that SGLang serves")
 REFUSED = {"qwen3_vl_moe": "Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its "
                            "config says, and it has not run here"}
 

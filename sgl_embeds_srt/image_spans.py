@@ -12,8 +12,9 @@ an image or a clip:
   a Qwen3-VL clip frame by frame, each after its time as text), one precomputed-embedding item
   per run of rows (``image_inputs``: an image, a clip, a Qwen3-VL clip's frame) whose identity is
   the span's content key, its grid and time (the same rows with another grid never share KV;
-  SGLang never hashes the rows), and the M-RoPE positions from SGLang's own rope-index code. The rows travel in the prompt's
-  ``prompt_rows.PromptRows`` like any span's, so a span by handle crosses to the scheduler once.
+  SGLang never hashes the rows), and the M-RoPE positions from SGLang's own rope-index code. The
+  rows travel in the prompt's ``prompt_rows.PromptRows`` like any span's, so a span by handle
+  crosses to the scheduler once.
 * Scheduler (``handle_generate_request``): before the request is built, each image's rows move
   from the rows carrier into its item, and the items become the request's multimodal inputs.
 * Model runner (``get_embedding_and_mask``): precomputed items are embedded as they are, item by
@@ -107,7 +108,7 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
-class ImageSpan:
+class GridSpan:
     """A grid span placed in a prompt (an image, or a clip): its content key, its grid, the runs
     of positions its rows stand at (first, last; one run, or one per frame of a Qwen3-VL clip,
     whose frames are written apart with their times between), and ``end``, the position after
@@ -185,15 +186,14 @@ def _check_video_time(grid: Grid, spec: VisionSpec, where: str) -> None:
 
 
 def place(content_key: str, grid: Grid, n_rows: int, start: int, spec: VisionSpec,
-          tokenizer: Any) -> tuple[list[int], ImageSpan]:
+          tokenizer: Any) -> tuple[list[int], GridSpan]:
     """The ids a checked grid span puts at prompt position ``start`` and where its rows stand: an
     image's or a Qwen2-VL / Qwen2.5-VL clip's pad token once per row; a Qwen3-VL clip frame by
     frame, each after its time as text (``<1.5 seconds>``, as its processor and SGLang's write
     it) and inside its own vision start and end (the span's own pair stays around them)."""
-    if not grid.video:
-        return [spec.image_token_id] * n_rows, ImageSpan(content_key, grid, ((start, start + n_rows - 1),), start + n_rows)
-    if grid.timestamps is None:
-        return [spec.video_token_id] * n_rows, ImageSpan(content_key, grid, ((start, start + n_rows - 1),), start + n_rows)
+    if grid.timestamps is None:  # one run of rows (an image never has timestamps: segments.Grid)
+        pad = spec.video_token_id if grid.video else spec.image_token_id
+        return [pad] * n_rows, GridSpan(content_key, grid, ((start, start + n_rows - 1),), start + n_rows)
     if tokenizer is None:
         raise ValueError("this server runs without a tokenizer: it cannot write a clip's frame times")
     per_frame = n_rows // grid.thw[0]
@@ -204,10 +204,10 @@ def place(content_key: str, grid: Grid, n_rows: int, start: int, spec: VisionSpe
         ids.append(spec.vision_start_token_id)
         runs.append((start + len(ids), start + len(ids) + per_frame - 1))
         ids += [spec.video_token_id] * per_frame + [spec.vision_end_token_id]
-    return ids, ImageSpan(content_key, grid, tuple(runs), start + len(ids))
+    return ids, GridSpan(content_key, grid, tuple(runs), start + len(ids))
 
 
-def check_vision_ids(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> None:
+def check_vision_ids(ids: list[int], images: list[GridSpan], spec: VisionSpec) -> None:
     """The prompt's ids as SGLang's rope index will read them: an image or video pad id stands
     only at a grid span's rows (one written in text would be counted as another image, ending
     in an IndexError or rows at the wrong positions), and every grid span is closed by the
@@ -235,7 +235,7 @@ def identity(content_key: str, grid: Grid, run: int = 0) -> bytes:
     return digest.digest()
 
 
-def image_inputs(ids: list[int], images: list[ImageSpan], spec: VisionSpec) -> MultimodalProcessorOutput:
+def image_inputs(ids: list[int], images: list[GridSpan], spec: VisionSpec) -> MultimodalProcessorOutput:
     """SGLang's multimodal inputs of a prompt whose grid spans are ``images`` (rows not yet
     attached: the scheduler moves them in, ``handle_generate_request``): one item per run of
     rows (an image, a clip, a Qwen3-VL clip's frame, as SGLang's own processor makes them)."""

@@ -25,7 +25,6 @@ else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
 from __future__ import annotations
 
 import re
-
 from typing import Any, Callable
 
 from sgl_embeds_srt import parse, prompts
@@ -80,8 +79,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
         out["input_ids"] = ids
         return out, prompt_rows
     spans: list[seg.Span] = []
-    # (index into spans, is a clip) of the parts the template renders as its images and videos
-    vision_parts: list[tuple[int, bool]] = []
+    vision_parts: list[int] = []  # indices into spans of the parts the template renders as media
     messages, flat_messages = [], []
     for i, m in enumerate(body["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
@@ -98,7 +96,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
             elif kind == SPAN_PART_TYPE:
                 span = reader.read(part.get(SPAN_PART_TYPE), f"messages[{i}].content[{j}]: ", part)
                 if span.grid is not None and spec.vision is not None:
-                    vision_parts.append((len(spans), span.grid.video))
+                    vision_parts.append(len(spans))
                     parts.append({"type": "video" if span.grid.video else "image"})
                 else:
                     parts.append({"type": "text", "text": seg.marker(len(spans))})
@@ -112,7 +110,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
         flat_messages.append({**m, "content": seg.strip_markers(flat)})
     rendered = chat_text(spec.tokenizer, messages, body)
     if vision_parts:
-        rendered = _spans_at_pad_tokens(rendered, vision_parts, spec)
+        rendered = _spans_at_pad_tokens(rendered, vision_parts, spans, spec)
     segments = _segments_of_chat_text(rendered, spans)
     ids, prompt_rows = prompts.build_ids(segments, spec, specials_first=False)
     out["messages"] = flat_messages
@@ -120,7 +118,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
     return out, prompt_rows
 
 
-def _spans_at_pad_tokens(rendered: str, vision_parts: list[tuple[int, bool]],
+def _spans_at_pad_tokens(rendered: str, vision_parts: list[int], spans: list[seg.Span],
                          spec: prompts.ModelSpec) -> str:
     """The rendered chat with each image or video pad token the template wrote for an image or
     video part replaced, in order, by the marker of that part's span: the template writes what
@@ -130,7 +128,7 @@ def _spans_at_pad_tokens(rendered: str, vision_parts: list[tuple[int, bool]],
                spec.tokenizer.convert_ids_to_tokens(spec.vision.video_token_id): True}
     pieces = re.split("(" + "|".join(map(re.escape, is_clip)) + ")", rendered)
     written = [is_clip[token] for token in pieces[1::2]]
-    wanted = [clip for _, clip in vision_parts]
+    wanted = [spans[k].grid.video for k in vision_parts]
     if written != wanted:
         def kinds(flags: list[bool]) -> str:
             return ", ".join("video" if clip else "image" for clip in flags) or "none"
@@ -138,7 +136,7 @@ def _spans_at_pad_tokens(rendered: str, vision_parts: list[tuple[int, bool]],
         raise ValueError(f"the chat template wrote the pad tokens of [{kinds(written)}] for the input_embeds "
                          f"parts with a grid [{kinds(wanted)}]: it must render each image and video "
                          "content part once, in order")
-    return pieces[0] + "".join(seg.marker(k) + after for (k, _), after in zip(vision_parts, pieces[2::2]))
+    return pieces[0] + "".join(seg.marker(k) + after for k, after in zip(vision_parts, pieces[2::2]))
 
 
 def chat_text(tokenizer: Any, messages: list, body: dict) -> str:

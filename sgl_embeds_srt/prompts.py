@@ -19,7 +19,7 @@ import torch
 
 from sgl_embeds_srt import wire
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.image_spans import ImageSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
+from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_srt.keys import keyed
 from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
@@ -72,7 +72,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
     rows_per_span: list[torch.Tensor] = []
     content_keys: list[str] = []  # of the spans' rows as sent (transport.py)
     positions: list[int] = []
-    images: list[ImageSpan] = []
+    images: list[GridSpan] = []
     for i, s in enumerate(segments):
         if isinstance(s, Text):
             if spec.tokenizer is None:

@@ -298,9 +298,15 @@ def image_rows(checkpoint: str | Path, image) -> tuple[torch.Tensor, tuple[int, 
     pixels = processor.image_processor(images=[image], return_tensors="pt")
     (grid,) = pixels["image_grid_thw"].tolist()
     features = model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+    return _one_item_rows(features), tuple(grid)
+
+
+def _one_item_rows(features) -> torch.Tensor:
+    """The rows of HF's ``get_image_features`` / ``get_video_features`` of one image or clip,
+    float32, with any deepstack rows after the main ones along the width (SGLang's layout)."""
     (rows,) = features.pooler_output
     deepstack = [layer[0] for layer in getattr(features, "deepstack_features", None) or []]
-    return torch.cat([rows, *deepstack], dim=1).float(), tuple(grid)
+    return torch.cat([rows, *deepstack], dim=1).float()
 
 
 @torch.no_grad()
@@ -314,15 +320,14 @@ def clip_rows(checkpoint: str | Path, frames, fps: float) -> tuple[torch.Tensor,
     model, processor = hf_qwen_vl(str(checkpoint))
     videos = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
     (grid,) = videos["video_grid_thw"].tolist()
-    features = model.get_video_features(videos["pixel_values_videos"], videos["video_grid_thw"])
-    rows = torch.cat([features.pooler_output[0], *[layer[0] for layer in getattr(features, "deepstack_features", None) or []]], dim=1)
+    rows = _one_item_rows(model.get_video_features(videos["pixel_values_videos"], videos["video_grid_thw"]))
     fields = {"video_grid_thw": grid}
     temporal_patch = processor.video_processor.temporal_patch_size
     if model.config.model_type == "qwen2_5_vl":
         fields["second_per_grid_t"] = temporal_patch / fps
     elif model.config.model_type == "qwen3_vl":
         fields["video_timestamps"] = processor._calculate_timestamps(list(range(len(frames))), fps, temporal_patch)
-    return rows.float(), fields
+    return rows, fields
 
 
 def sample_clip(n_frames: int, width: int, height: int, seed: int = 0):

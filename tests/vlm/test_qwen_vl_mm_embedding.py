@@ -44,7 +44,7 @@ def span_item(rows: torch.Tensor, start: int, key: str) -> MultimodalDataItem:
     spec = image_spans.VisionSpec("qwen2_5_vl", IMAGE_TOKEN, IMAGE_TOKEN + 1, IMAGE_TOKEN - 1, IMAGE_TOKEN + 2, 2, 2)
     ids = [1] * start + [IMAGE_TOKEN] * rows.shape[0] + [1]
     ids[start - 1] = spec.vision_start_token_id
-    (item,) = image_spans.image_inputs(ids, [image_spans.ImageSpan(key, Grid((1, 2, 2 * rows.shape[0])), ((start, start + rows.shape[0] - 1),),
+    (item,) = image_spans.image_inputs(ids, [image_spans.GridSpan(key, Grid((1, 2, 2 * rows.shape[0])), ((start, start + rows.shape[0] - 1),),
                                                               start + rows.shape[0])],
                                        spec).mm_items
     item.feature = rows
