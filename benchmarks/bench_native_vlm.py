@@ -1,11 +1,20 @@
-"""Image spans vs SGLang's own image paths on a natively served Qwen2.5-VL (issue #22).
+"""Image and clip spans vs SGLang's own image and video paths on a natively served Qwen-VL
+(issues #22, #32).
 
-One random-weight Qwen2.5-VL sized so that prefill and the vision tower take visible time on a
-CPU (``testing.qwen_vl.bench_qwen2_5_vl_dir``: LM hidden 1024 x 8 layers, tower 512 x 8 blocks;
-a 448x448 image is 256 rows), float32, the plugin loaded, SGLang's multimodal path on. Each
-request is a chat turn with one image (a fresh noise image per request, so its first question
-misses the cache) and a question; it generates one token, streamed, so its time is its time to
-first token (TTFT). Then a second question about the same image: the image's KV is cached.
+One random-weight Qwen2.5-VL or Qwen3-VL (``--family``) sized so that prefill and the vision
+tower take visible time on a CPU (``testing.qwen_vl.bench_qwen2_5_vl_dir`` / ``bench_qwen3_vl_dir``:
+LM hidden 1024 x 8 layers, tower 512 x 8 blocks; an image of 16 x 16 merged patches is 256 rows,
+448x448 px on Qwen2.5-VL, 512x512 on Qwen3-VL, whose rows carry 3 deepstack layers: 4096 wide),
+float32, the plugin loaded, SGLang's multimodal path on. Each request is a chat turn with one
+image (a fresh noise image per request, so its first question misses the cache) or one clip, and
+a question; it generates one token, streamed, so its time is its time to first token (TTFT). Then
+a second question about the same image or clip: its KV is cached.
+
+A clip is 8 frames of 448x448 at 2 fps (a square moving over a background, its colours fresh per
+request), written losslessly (FFV1 in Matroska, PyAV) and read back with decord, SGLang's video
+decoder here: the frames ours encode are the ones stock decodes. Stock samples the 8 frames at
+its default 2 fps and keeps their size; both sides' frames then go through the checkpoint's video
+processor.
 
 Sides, alternated request by request (the order rotated every round), each on its own images:
 
@@ -16,19 +25,22 @@ Sides, alternated request by request (the order rotated every round), each on it
     (its time per image is reported apart);
   * ``ours by handle``: the same rows uploaded before the clock (``POST /sgl_embeds/spans``),
     then sent by handle;
+  * ``stock raw video``, ``ours clip inline``, ``ours clip by handle``: the same for a clip
+    (``video_data`` as the file in base64; the clip's rows with its video grid and time);
 * in process (``sglang.Engine``, a child process with the same settings; its own wire, so its
-  numbers compare with each other, not with HTTP's):
+  numbers compare with each other, not with HTTP's), Qwen2.5-VL only (measured: stock's Qwen3-VL runs
+  its tower on a precomputed item, fails on its shape, and its scheduler exits):
   * ``stock precomputed item``: ``image_data=[{"format": "precomputed_embedding", ...}]``;
   * ``ours tensors``: ``input_segments`` with the rows as a tensor and the grid.
 
-A second table times the server-side hashing that gives each image its cache identity, per
+A second table (Qwen2.5-VL) times the server-side hashing that gives each image its cache identity, per
 request, at 1, 4 and 16 images of 256 rows, by calling in this process the code the server runs:
 stock's ``resolve_multimodal_item_hash`` on a precomputed item (one item holds all of a request's
 images: SGLang takes one precomputed item per modality), and our ``prompts.build_ids`` with the
 spans inline (one content key per span: BLAKE3 per row, the handle from the digests) or by
 handle (the handle is the key: no hashing at all, counted).
 
-    python benchmarks/bench_native_vlm.py [--rounds 8] [--engine-child]
+    python benchmarks/bench_native_vlm.py [--family qwen2_5_vl|qwen3_vl] [--rounds 8] [--engine-child]
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,74 +65,130 @@ from sgl_embeds_srt import keys, prompts, wire
 from sgl_embeds_srt.image_spans import VisionSpec
 from sgl_embeds_srt.segments import Grid, Span, Text
 from sgl_embeds.testing.qwen_vl import (
-    IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir)
+    IMAGE_PAD, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir,
+    bench_qwen3_vl_dir, sample_clip)
 from sgl_embeds.vision import VisionRows
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
-HTTP_SIDES = ["stock raw image", "ours inline", "ours by handle"]
+FAMILIES = {"qwen2_5_vl": bench_qwen2_5_vl_dir, "qwen3_vl": bench_qwen3_vl_dir}
+IMAGE_SIDES = ["stock raw image", "ours inline", "ours by handle"]
+CLIP_SIDES = ["stock raw video", "ours clip inline", "ours clip by handle"]
+HTTP_SIDES = IMAGE_SIDES + CLIP_SIDES
 ENGINE_SIDES = ["stock precomputed item", "ours tensors"]
 QUESTIONS = ("what is in this picture", "which colors are there")
-IMAGE_SIDE = 448  # px: 32x32 patches, 256 rows after the 2x2 merge
+MERGED_SIDE = 16  # an image of 16 x 16 merged patches: 256 rows
+CLIP_FRAMES, CLIP_SIDE, CLIP_FPS = 8, 448, 2.0  # 448 px: a multiple of both families' 28 and 32
 
 
-def noise_image(seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8))
+def image_side(model_dir: Path) -> int:
+    """Pixels per side of a 256-row image: 448 (patch 14) or 512 (patch 16)."""
+    from transformers import AutoConfig
+
+    vision = AutoConfig.from_pretrained(model_dir).vision_config
+    return MERGED_SIDE * vision.patch_size * vision.spatial_merge_size
 
 
-def chat_text(question: str) -> str:
-    return f"<|im_start|>user\n{IMAGE_PLACEHOLDER}{question}<|im_end|>\n<|im_start|>assistant\n"
+def noise_image(seed: int, side: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))
 
 
-def span_segments(question: str, span: dict) -> list[dict]:
-    before, after = chat_text(question).split(IMAGE_PLACEHOLDER)
+def clip_file(seed: int) -> tuple[bytes, np.ndarray]:
+    """A fresh clip as a lossless video file (FFV1 in Matroska) and the frames SGLang's decoder
+    (decord) reads back from it: the ones both sides are asked about."""
+    import av
+    import decord
+
+    frames = sample_clip(CLIP_FRAMES, CLIP_SIDE, CLIP_SIDE, seed=seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=int(CLIP_FPS))
+        stream.width, stream.height, stream.pix_fmt = CLIP_SIDE, CLIP_SIDE, "bgr0"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    data = buf.getvalue()
+    reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0))
+    decoded = reader.get_batch(list(range(len(reader)))).asnumpy()
+    assert reader.get_avg_fps() == CLIP_FPS and np.array_equal(decoded, frames), "the clip file is not lossless"
+    return data, decoded
+
+
+def chat_text(question: str, placeholder: str = IMAGE_PLACEHOLDER) -> str:
+    return f"<|im_start|>user\n{placeholder}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def span_segments(question: str, span: dict, placeholder: str = IMAGE_PLACEHOLDER) -> list[dict]:
+    before, after = chat_text(question, placeholder).split(placeholder)
     return [{"type": "text", "text": before + VISION_START}, span, {"type": "text", "text": VISION_END + after}]
 
 
-def ttft(url: str, body: dict) -> float:
-    """Seconds from sending ``body`` (stream, one new token) to its first streamed chunk."""
+def ttft(url: str, body: dict) -> tuple[float, dict]:
+    """Seconds from sending ``body`` (stream, one new token) to its first streamed chunk, and the
+    last chunk's ``meta_info``."""
     body = {**body, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
     t0 = time.perf_counter()
+    chunks = []
     with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if line.startswith(b"data:"):
-                elapsed = time.perf_counter() - t0
-                break
-        for _ in r.iter_lines():  # read to the end: the request is done before the next starts
-            pass
-    return elapsed
+        for line in r.iter_lines():  # read to the end: the request is done before the next starts
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                if not chunks:
+                    elapsed = time.perf_counter() - t0
+                chunks.append(line)
+    return elapsed, json.loads(chunks[-1][len(b"data:"):])["meta_info"]
 
 
-def encode_all(encoder: QwenVLEncoder, seeds: list[int]) -> dict[int, tuple[Image.Image, VisionRows, float]]:
-    """Every image of a phase and its rows, computed before the phase's clocks start (encoding
-    right before a timed request would leave this process's compute threads spinning beside the
-    server's), with each encode time."""
+@dataclass
+class Media:
+    """One request's image (a PIL image) or clip (its file's bytes), and its rows from the
+    client's vision half with the seconds they took."""
+
+    source: Image.Image | bytes
+    encoded: VisionRows
+    encode_s: float
+
+
+def encode_all(encoder: QwenVLEncoder, plan: list[tuple[int, str, int]], side: int) -> dict[int, Media]:
+    """Every image and clip of a phase and its rows, computed before the phase's clocks start
+    (encoding right before a timed request would leave this process's compute threads spinning
+    beside the server's)."""
     out = {}
-    for seed in seeds:
-        image = noise_image(seed)
-        t0 = time.perf_counter()
-        encoded = encoder(image)
-        out[seed] = (image, encoded, time.perf_counter() - t0)
+    for _, name, seed in plan:
+        if name in CLIP_SIDES:
+            data, frames = clip_file(seed)
+            t0 = time.perf_counter()
+            encoded = encoder.clip(frames, CLIP_FPS)
+            out[seed] = Media(data, encoded, time.perf_counter() - t0)
+        else:
+            image = noise_image(seed, side)
+            t0 = time.perf_counter()
+            encoded = encoder(image)
+            out[seed] = Media(image, encoded, time.perf_counter() - t0)
     return out
 
 
-def http_bodies(side: str, image: Image.Image, encoded: VisionRows, url: str) -> list[dict]:
-    """The two questions' bodies for one image on ``side`` (a by-handle span is uploaded here,
-    before the clock)."""
+def http_bodies(side: str, media: Media, url: str) -> list[dict]:
+    """The two questions' bodies for one image or clip on ``side`` (a by-handle span is uploaded
+    here, before the clock)."""
     if side == "stock raw image":
         buf = io.BytesIO()
-        image.save(buf, format="PNG")
+        media.source.save(buf, format="PNG")
         data = base64.b64encode(buf.getvalue()).decode()
         return [{"text": chat_text(q), "image_data": data} for q in QUESTIONS]
-    inline = {"type": "embeds", "embeds": wire.encode_tensor(encoded.rows), **encoded.grid.fields()}
-    if side == "ours inline":
-        return [{"input_segments": span_segments(q, inline)} for q in QUESTIONS]
+    if side == "stock raw video":
+        data = base64.b64encode(media.source).decode()
+        return [{"text": chat_text(q, VIDEO_PLACEHOLDER), "video_data": data} for q in QUESTIONS]
+    rows, grid = media.encoded.rows, media.encoded.grid.fields()
+    placeholder = VIDEO_PLACEHOLDER if media.encoded.grid.video else IMAGE_PLACEHOLDER
+    inline = {"type": "embeds", "embeds": wire.encode_tensor(rows), **grid}
+    if side.endswith("inline"):
+        return [{"input_segments": span_segments(q, inline, placeholder)} for q in QUESTIONS]
     upload = requests.post(url + "/sgl_embeds/spans", json={"embeds": inline["embeds"]}, timeout=600)
     upload.raise_for_status()
-    by_handle = {"type": "embeds", "embeds": {"handle": keys.content_key(encoded.rows)}, "image_grid_thw": grid}
-    return [{"input_segments": span_segments(q, by_handle)} for q in QUESTIONS]
+    by_handle = {"type": "embeds", "embeds": {"handle": keys.content_key(rows)}, **grid}
+    return [{"input_segments": span_segments(q, by_handle, placeholder)} for q in QUESTIONS]
 
 
 def schedule(sides: list[str], rounds: int, first_seed: int) -> list[tuple[int, str, int]]:
@@ -137,16 +206,19 @@ def schedule(sides: list[str], rounds: int, first_seed: int) -> list[tuple[int, 
 def run_http(model_dir: Path, rounds: int) -> dict:
     encoder = QwenVLEncoder(model_dir, device="cpu")
     plan = schedule(HTTP_SIDES, rounds, 10_000)
-    encoded = encode_all(encoder, [seed for _, _, seed in plan])
-    times = {side: {"first": [], "repeat": [], "encode": []} for side in HTTP_SIDES}
+    media = encode_all(encoder, plan, image_side(model_dir))
+    times = {side: {"first": [], "repeat": [], "encode": [], "prompt_tokens": [], "repeat_cached": []}
+             for side in HTTP_SIDES}
     with server(model_dir, plugin=True, extra=MM_ARGS) as s:
         for r, side, seed in plan:
-            image, rows, encode_s = encoded[seed]
-            first, repeat = (ttft(s.url, b) for b in http_bodies(side, image, rows, s.url))
+            (first, meta), (repeat, again) = (ttft(s.url, b) for b in http_bodies(side, media[seed], s.url))
             if r >= 0:
-                times[side]["first"].append(first)
-                times[side]["repeat"].append(repeat)
-                times[side]["encode"].append(0.0 if side == "stock raw image" else encode_s)
+                t = times[side]
+                t["first"].append(first)
+                t["repeat"].append(repeat)
+                t["encode"].append(0.0 if side.startswith("stock") else media[seed].encode_s)
+                t["prompt_tokens"].append(meta["prompt_tokens"])
+                t["repeat_cached"].append(again["cached_tokens"])
     return times
 
 
@@ -169,11 +241,11 @@ def engine_child(model_dir: Path, rounds: int) -> dict:
         return elapsed
 
     plan = schedule(ENGINE_SIDES, rounds, 20_000)
-    encoded = encode_all(encoder, [seed for _, _, seed in plan])
+    media = encode_all(encoder, plan, image_side(model_dir))
     times = {side: {"first": [], "repeat": []} for side in ENGINE_SIDES}
     try:
         for r, side, seed in plan:
-            _, rows, _ = encoded[seed]
+            rows = media[seed].encoded
             grid = list(rows.grid.thw)
             asked = []
             for q in QUESTIONS:
@@ -202,7 +274,7 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
     spec = prompts.ModelSpec(config.text_config.hidden_size, torch.float32, config.text_config.vocab_size,
                              1 << 20, AutoTokenizer.from_pretrained(model_dir), VisionSpec.of(config))
-    grid = (1, IMAGE_SIDE // 14, IMAGE_SIDE // 14)
+    grid = (1, 2 * MERGED_SIDE, 2 * MERGED_SIDE)
     rows_per_image = grid[1] * grid[2] // 4
     hashed = {"seconds": 0.0, "calls": 0}
     real_keyed = prompts.keyed
@@ -246,41 +318,52 @@ def hashing(model_dir: Path, repeats: int = 21) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    model_dir = bench_qwen2_5_vl_dir()
+    model_dir = FAMILIES[args.family]()
     if args.engine_child:
         print(json.dumps(engine_child(model_dir, args.rounds)))
         return
 
-    hash_ms = hashing(model_dir)
+    qwen2_5 = args.family == "qwen2_5_vl"  # stock's Engine and its hashing: Qwen2.5-VL only (module docstring)
+    hash_ms = hashing(model_dir) if qwen2_5 else {}
     http = run_http(model_dir, args.rounds)
-    child = subprocess.run([sys.executable, __file__, "--engine-child", "--rounds", str(args.rounds)],
-                           capture_output=True, text=True, timeout=3600)
-    if child.returncode != 0:
-        raise SystemExit(child.stderr[-3000:])
-    engine = json.loads(child.stdout.strip().splitlines()[-1])
+    engine = {}
+    if qwen2_5:
+        child = subprocess.run([sys.executable, __file__, "--engine-child", "--rounds", str(args.rounds)],
+                               capture_output=True, text=True, timeout=3600)
+        if child.returncode != 0:
+            raise SystemExit(child.stderr[-3000:])
+        engine = json.loads(child.stdout.strip().splitlines()[-1])
 
     ms = lambda v, q: pct(v, q) * 1e3
     rows = []
     for wire_name, results in (("HTTP", http), ("Engine", engine)):
         for side, t in results.items():
             encode = f"{p50(t['encode']) * 1e3:.1f}" if t.get("encode") and any(t["encode"]) else "-"
-            rows.append([wire_name, side, ms(t["first"], 0.5), ms(t["first"], 0.9), ms(t["repeat"], 0.5),
-                         ms(t["repeat"], 0.9), encode])
-    text = f"Measured: {provenance()}\n"
-    text += table(f"TTFT (ms) of a question about a fresh 448x448 image (256 rows), then of a second "
+            prompt = "/".join(map(str, sorted(set(t["prompt_tokens"])))) if t.get("prompt_tokens") else "-"
+            cached = f"{p50(t['repeat_cached']):.0f}" if t.get("repeat_cached") else "-"
+            rows.append([wire_name, side, prompt, ms(t["first"], 0.5), ms(t["first"], 0.9), ms(t["repeat"], 0.5),
+                         ms(t["repeat"], 0.9), cached, encode])
+    side = image_side(model_dir)
+    text = f"Measured: {provenance()}; family {args.family}\n"
+    text += table(f"TTFT (ms) of a question about a fresh {side}x{side} image (256 rows) or a fresh clip of "
+                  f"{CLIP_FRAMES} frames of {CLIP_SIDE}x{CLIP_SIDE} at {CLIP_FPS:g} fps, then of a second "
                   f"question about it; {args.rounds} rounds, sides alternated",
-                  ["wire", "side", "first p50", "first p90", "repeat p50", "repeat p90",
-                   "client encode p50 (ms)"], rows)
-    text += "\n" + table("Server-side identity hashing per request (ms, p50 of 21), 256 rows x 1024 float32 per image",
-                         ["images", "stock precomputed item", "ours inline", "ours by handle",
-                          "hash calls inline / by handle"],
-                         [[n, v["stock precomputed item"], v["ours inline"], v["ours by handle"],
-                           f"{v['ours inline hash calls']} / {v['ours by handle hash calls']}"]
-                          for n, v in hash_ms.items()])
-    save("native_vlm", {"http": http, "engine": engine, "hashing_ms": hash_ms, "provenance": provenance()}, text)
+                  ["wire", "side", "prompt tokens", "first p50", "first p90", "repeat p50", "repeat p90",
+                   "repeat cached tokens p50", "client encode p50 (ms)"], rows)
+    if hash_ms:
+        text += "\n" + table("Server-side identity hashing per request (ms, p50 of 21), 256 rows x 1024 float32 per image",
+                             ["images", "stock precomputed item", "ours inline", "ours by handle",
+                              "hash calls inline / by handle"],
+                             [[n, v["stock precomputed item"], v["ours inline"], v["ours by handle"],
+                               f"{v['ours inline hash calls']} / {v['ours by handle hash calls']}"]
+                              for n, v in hash_ms.items()])
+    name = "native_vlm" if qwen2_5 else f"native_vlm_{args.family}"
+    save(name, {"http": http, "engine": engine, "hashing_ms": hash_ms, "provenance": provenance(),
+                "family": args.family}, text)
 
 
 if __name__ == "__main__":

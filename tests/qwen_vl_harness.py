@@ -13,10 +13,17 @@ import sglang as sgl
 import helpers
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, clip_rows,
-                                       hf_qwen_vl, image_rows, qwen_vl_greedy)
+                                       hf_qwen_vl, image_rows, qwen_vl_greedy, tiny_qwen2_5_vl_dir,
+                                       tiny_qwen2_vl_dir, tiny_qwen3_vl_dir)
 
 MAX_TOKENS = 10
 MIN_COMPARED = 8
+# The pooled span server of each family (NaN vision weights, tests/conftest.py) -> (checkpoint,
+# clip frame sizes (width, height), the seed of its clips): seeds whose clips give HF answers of
+# several distinct tokens that differ from clip to clip (measured)
+CLIP_FAMILIES = {"qwen_vl_spans": (tiny_qwen2_5_vl_dir, ((224, 56), (112, 56)), 1),
+                 "qwen3_vl_spans": (tiny_qwen3_vl_dir, ((128, 64), (64, 128)), 1),
+                 "qwen2_vl_spans": (tiny_qwen2_vl_dir, ((224, 56), (112, 56)), 7)}
 
 
 def chat_text(checkpoint, question: str, n_images: int, media: tuple[str, ...] = ()) -> str:

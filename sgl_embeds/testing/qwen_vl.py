@@ -78,6 +78,18 @@ def bench_qwen2_5_vl_dir() -> Path:
     return _qwen2_5_vl_dir(f"bench-qwen2_5_vl-{QWEN_VL_CACHE_VERSION}", text, vision, (4, 256), (7, 1.0, 1.0))
 
 
+def bench_qwen3_vl_dir() -> Path:
+    """A random-weight Qwen3-VL of ``bench_qwen2_5_vl_dir``'s sizes (LM hidden 1024, 8 layers, 16
+    heads (4 KV), head dim 64; tower hidden 512, depth 8, 8 heads, patch 16) with deepstack rows
+    from blocks 1, 3 and 5 (an image's span is ``[n, 1024 x 4]``); up to 256 rows per image (a
+    512x512 image)."""
+    text = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64, max_position_embeddings=8192)
+    vision = dict(depth=8, hidden_size=512, intermediate_size=1376, num_heads=8, out_hidden_size=1024,
+                  deepstack_visual_indexes=[1, 3, 5])
+    return _qwen_vl_dir(f"bench-qwen3_vl-{QWEN_VL_CACHE_VERSION}", "qwen3_vl", text, vision, (4, 256), (7, 1.0, 1.0))
+
+
 def _mrope_section(text_size: dict) -> list[int]:
     """Rotary pairs per axis (time, height, width) over the head's half: [2, 3, 3] at head dim 16,
     Qwen2.5-VL's own [16, 24, 24] at 128."""

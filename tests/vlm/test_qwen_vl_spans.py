@@ -2,7 +2,8 @@
 image's rows with HF's own vision module, sends them as ``input_segments`` between the vision
 tokens, and the server's greedy tokens equal HF ``Qwen2_5_VLForConditionalGeneration`` on the
 pixels (float32). The server's vision weights are NaN (``poisoned_vision_dir``): an exact answer
-proves the tower never ran on the rows. Its small prefill chunk cuts images across chunks.
+proves the tower never ran on the rows. Its small prefill chunk cuts images across chunks. The
+gateway test runs on every Qwen-VL family (Qwen2.5-VL, Qwen3-VL, Qwen2-VL).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import sglang as sgl
 
 import engine_probe
 import helpers
-from qwen_vl_harness import (image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span,
+from qwen_vl_harness import (CLIP_FAMILIES, image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span,
                              span_segments)
-from conftest import QWEN_VL_ARGS
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.testing.qwen_vl import (
@@ -277,22 +277,32 @@ def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
     assert "makes t*h*w/merge**2 = 1 rows" in probe["bad_grid"], probe["bad_grid"]
 
 
-@pytest.fixture(scope="module")
-def qwen_vl_gateway(qwen_vl_spans_server, qwen_vl_server):
-    """smg (cache-aware) in front of both Qwen2.5-VL servers: spans are served alike by either,
-    since neither runs its tower on them."""
-    gw = Gateway([qwen_vl_spans_server.url, qwen_vl_server.url]).start()
-    yield gw
+# The workers behind smg, by family: Qwen2.5-VL's two servers (the cache-aware policy picks between
+# them), each other family's pooled span server alone (no server started for the gateway)
+GATEWAY_WORKERS = {"qwen_vl_spans": ("qwen_vl_spans", "qwen_vl"), "qwen3_vl_spans": ("qwen3_vl_spans",),
+                   "qwen2_vl_spans": ("qwen2_vl_spans",)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.pooled(*workers))
+                                        for name, workers in GATEWAY_WORKERS.items()])
+def family_gateway(request, servers):
+    """(checkpoint, smg (cache-aware) in front of the family's servers, its clip sizes and seed):
+    spans are served alike by either worker, since neither runs its tower on them."""
+    make, sizes, seed = CLIP_FAMILIES[request.param]
+    gw = Gateway([server.url for server in servers.get(*GATEWAY_WORKERS[request.param])]).start()
+    yield make(), gw, sizes, seed
     gw.stop()
 
 
-def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwen_vl_gateway, qwen_vl_dir):
-    """``/generate`` segments (the routing hint covers rows and grid), the chat route with grid
+def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(family_gateway):
+    """Each Qwen-VL family (Qwen3-VL's spans with their deepstack rows) behind smg:
+    ``/generate`` segments (the routing hint covers rows and grid), the chat route with grid
     parts, and a program through ``EmbedsEndpoint`` (its own hint): HF's tokens and logprobs
-    behind the gateway, and a repeat lands where its prefix is cached."""
-    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    behind the gateway, and a repeat lands where its prefix is cached; a clip likewise."""
+    checkpoint, gateway, ((clip_width, clip_height), _), clip_seed = family_gateway
+    text = chat_text(checkpoint, "what is the color of the object", 1)
     image = sample_images()["disc"]
-    span = grid_span(qwen_vl_dir, image)
+    span = grid_span(checkpoint, image)
     segments = span_segments(text, [span])
     rows = wire.decode_tensor(span["embeds"])
     before, after = text.split(IMAGE_PLACEHOLDER)
@@ -302,82 +312,42 @@ def test_image_spans_through_the_gateway_equal_hf_and_repeat_on_their_worker(qwe
     assert hint == (before + VISION_START + keys.route_rows(rows) + f"<{t}x{h}x{w}>" + VISION_END + after
                     + keys.ROUTE_TAG)
     def through(payload: dict) -> dict:
-        res = requests.post(qwen_vl_gateway.url + "/generate", json=payload, timeout=120)
+        res = requests.post(gateway.url + "/generate", json=payload, timeout=120)
         assert res.status_code == 200, res.text
         return res.json()
 
     first = through({**helpers.body(segments, MAX_TOKENS, return_logprob=True), "text": hint})
-    assert_matches_hf(first, qwen_vl_dir, text, [image], "through the gateway")
+    assert_matches_hf(first, checkpoint, text, [image], "through the gateway")
     again = through({**helpers.body(segments, MAX_TOKENS), "text": hint})
     assert again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
 
-    model = requests.get(qwen_vl_gateway.worker_urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
-    chat = requests.post(qwen_vl_gateway.url + "/v1/chat/completions", timeout=120, json={
+    model = requests.get(gateway.worker_urls[0] + "/v1/models", timeout=30).json()["data"][0]["id"]
+    chat = requests.post(gateway.url + "/v1/chat/completions", timeout=120, json={
         "model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, "messages": [
-            {"role": "user", "content": [span_part(qwen_vl_dir, image),
+            {"role": "user", "content": [span_part(checkpoint, image),
                                          {"type": "text", "text": "what is the color of the object"}]}]})
     assert chat.status_code == 200, chat.text
-    hf_chat = qwen_vl_greedy(qwen_vl_dir, text, [image], MAX_TOKENS, add_special_tokens=False).tokens
+    hf_chat = qwen_vl_greedy(checkpoint, text, [image], MAX_TOKENS, add_special_tokens=False).tokens
     assert chat.json()["choices"][0]["response_token_ids"] == hf_chat
 
-    backend = EmbedsEndpoint(qwen_vl_gateway.url)
+    backend = EmbedsEndpoint(gateway.url)
     run = backend.run(input_segments=[Text(before + VISION_START), Span(rows, grid=Grid(span["image_grid_thw"])),
                                       Text(VISION_END + after)], sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
     assert run["output_ids"] == first["output_ids"]
 
     # a clip, by EmbedsEndpoint (binary body, held, by handle the second time) through the gateway
     clip_text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
-    frames = sample_clip(4, 224, 56, seed=1)
-    clip_rows_, fields = clip_rows(qwen_vl_dir, frames, 2.0)
+    frames = sample_clip(4, clip_width, clip_height, seed=clip_seed)
+    clip_rows_, fields = clip_rows(checkpoint, frames, 2.0)
     clip_before, clip_after = clip_text.split(VIDEO_PLACEHOLDER)
     clip_segments = [Text(clip_before + VISION_START), Span(clip_rows_, grid=Grid.of_fields(fields)),
                      Text(VISION_END + clip_after)]
     answers = [backend.run(input_segments=clip_segments, **helpers.OUTPUT_LOGPROBS,
                            sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}) for _ in range(2)]
-    assert_matches_hf(answers[0], qwen_vl_dir, clip_text, [], "a clip through the gateway", clips=[(frames, 2.0)])
+    assert_matches_hf(answers[0], checkpoint, clip_text, [], "a clip through the gateway", clips=[(frames, 2.0)])
     assert answers[1]["output_ids"] == answers[0]["output_ids"]
     assert answers[1]["meta_info"]["cached_tokens"] == answers[1]["meta_info"]["prompt_tokens"] - 1
-
-
-def test_image_spans_in_multi_tokenizer_mode(qwen_vl_dir, servers):
-    """Two HTTP worker processes (``--tokenizer-worker-num 2``) in front of one scheduler, on the
-    NaN-tower checkpoint: both answer with the vision block, and image spans sent to them
-    concurrently all equal HF (inline, and by handle where the worker kept the span)."""
-    servers.make_room(1)
-    server = helpers.start_multi_tokenizer(poisoned_vision_dir(qwen_vl_dir),
-                                           [*QWEN_VL_ARGS, "--skip-server-warmup"])
-    try:
-        infos = {}
-        for _ in range(40):
-            info = requests.get(server.url + "/sgl_embeds/info", timeout=60).json()
-            infos[info["http_worker_pid"]] = info["vision"]
-        assert len(infos) == 2 and all(v["merge_size"] == 2 for v in infos.values()), infos
-        text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
-        image = sample_images()["stripes"]
-        span = grid_span(qwen_vl_dir, image)
-        inline = helpers.body(span_segments(text, [span]), MAX_TOKENS, return_logprob=True, keep_spans=True)
-        handle = {"type": "embeds", "embeds": {"handle": keys.content_key(wire.decode_tensor(span["embeds"]))},
-                  "image_grid_thw": span["image_grid_thw"]}
-        by_handle = helpers.body(span_segments(text, [handle]), MAX_TOKENS)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda _: helpers.generate(server, inline), range(8)))
-            again = list(pool.map(lambda _: server.generate(by_handle), range(8)))
-        assert_matches_hf(outs[0], qwen_vl_dir, text, [image], "multi-tokenizer")
-        assert all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
-        served = [r.json() for r in again if r.status_code == 200]
-        assert served and all(o["output_ids"] == outs[0]["output_ids"] for o in served)
-        assert all(r.json()["type"] == keys.UNKNOWN_HANDLE_TYPE for r in again if r.status_code != 200)
-        clip_text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
-        frames = sample_clip(4, 224, 56, seed=1)
-        clip = span_segments(clip_text, [clip_span(qwen_vl_dir, frames, 2.0)])
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            clips = list(pool.map(lambda _: helpers.generate(server, helpers.body(clip, MAX_TOKENS, return_logprob=True)),
-                                  range(4)))
-        assert_matches_hf(clips[0], qwen_vl_dir, clip_text, [], "multi-tokenizer, a clip", clips=[(frames, 2.0)])
-        assert all(o["output_ids"] == clips[0]["output_ids"] for o in clips)
-    finally:
-        server.stop()
 
 
 def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(qwen_vl_spans_server, qwen_vl_dir):

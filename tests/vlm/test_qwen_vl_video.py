@@ -15,7 +15,7 @@ import requests
 
 import helpers
 import sgl_embeds
-from qwen_vl_harness import MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
+from qwen_vl_harness import CLIP_FAMILIES, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
 from sgl_embeds.testing.qwen_vl import (
     VIDEO_PLACEHOLDER,
     clip_rows,
@@ -24,27 +24,19 @@ from sgl_embeds.testing.qwen_vl import (
     qwen_vl_inputs,
     sample_clip,
     sample_images,
-    tiny_qwen2_5_vl_dir,
-    tiny_qwen2_vl_dir,
-    tiny_qwen3_vl_dir,
 )
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds_srt import wire
 
 pytestmark = pytest.mark.server
-# server -> (checkpoint, frame sizes (width, height), the seed of the clips): seeds whose clips
-# give HF answers of several distinct tokens that differ from clip to clip (measured)
-FAMILIES = {"qwen_vl_spans": (tiny_qwen2_5_vl_dir, ((224, 56), (112, 56)), 1),
-            "qwen3_vl_spans": (tiny_qwen3_vl_dir, ((128, 64), (64, 128)), 1),
-            "qwen2_vl_spans": (tiny_qwen2_vl_dir, ((224, 56), (112, 56)), 7)}
 OTHER_SEED = 14  # another clip, whose answers are varied on every family (measured)
 TIMED = ["qwen_vl_spans", "qwen3_vl_spans"]  # the families whose clips carry their time
 
 
-@pytest.fixture(scope="module", params=helpers.pooled(FAMILIES))
+@pytest.fixture(scope="module", params=helpers.pooled(CLIP_FAMILIES))
 def family(request):
     """(server name, checkpoint, frame sizes, seed) of one family."""
-    make, sizes, seed = FAMILIES[request.param]
+    make, sizes, seed = CLIP_FAMILIES[request.param]
     return request.param, make(), sizes, seed
 
 
@@ -79,7 +71,7 @@ def test_the_frame_rate_changes_the_answer_and_a_clip_without_its_time_is_a_400(
     seconds, Qwen3-VL writes other times; ours equals HF at both. Without the time field the
     server refuses the clip, naming the field. (Qwen2-VL reads no time: its steps are 1 position
     apart.)"""
-    make, (wide, _), seed = FAMILIES[name]
+    make, (wide, _), seed = CLIP_FAMILIES[name]
     checkpoint, server = make(), servers.get(name)[0]
     text = video_text(checkpoint)
     frames = sample_clip(8, *wide, seed=seed)
