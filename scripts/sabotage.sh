@@ -14,7 +14,8 @@
 # seconds), clip_frames_reversed (a clip's temporal steps in reverse order); and of what keeps
 # spans apart or counted: route_hint_without_grid (the grid left out of the gateway's routing hint), image_digest_without_size (the encoder cache's image digest without the
 # image's size), vision_ids_unchecked (image_spans.check_vision_ids a no-op), logprob_start_ignored
-# (span rows nulled in input logprobs as if they started at position 0).
+# (span rows nulled in input logprobs as if they started at position 0), rows_cross_every_time
+# (a kept span's rows sent to the scheduler with every request, not once per HTTP worker).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"
