@@ -1,7 +1,8 @@
 """Image and clip spans on the natively served Qwen-VL families (``vlm/test_qwen_vl_spans.py``,
-``vlm/test_qwen_vl_families.py``, ``vlm/test_qwen_vl_video.py``): a chat prompt with image and
-video placeholders, its grid spans between the vision tokens, a request with output logprobs, and
-the comparison with HF's own class on the pixels and frames."""
+``vlm/test_qwen_vl_families.py``, ``vlm/test_qwen_vl_video.py``, ``vlm/test_multitokenizer.py``): a
+chat prompt with image and video placeholders, its grid spans between the vision tokens, a request
+with output logprobs, the comparison with HF's own class on the pixels and frames, and each
+family's clip sizes."""
 
 from __future__ import annotations
 
