@@ -30,7 +30,10 @@ from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
 # servers leave room for those in 24 GB and keep restarts rare in file order
 MAX_RUNNING = 4
 POOL_KEY = pytest.StashKey[ServerPool]()
-GATEWAY_WORKERS = ("gateway_worker_0", "gateway_worker_1")
+# the pool's Llama server and a second one like it: one launch fewer than two of the gateway's own
+# (the gateway tests measure each worker's counts as differences, so what the first one served
+# before does not matter)
+GATEWAY_WORKERS = ("llama", "gateway_worker")
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -110,8 +113,7 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "llava_next": lambda: Server(llava_dirs("llava_next")[1] / "llm", extra_args=["--enable-cache-report"]),
         "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[1] / "llm",
                                           extra_args=["--enable-cache-report"]),
-        "gateway_worker_0": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
-        "gateway_worker_1": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
+        "gateway_worker": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report"], **served),
         # Qwen3-VL with its working tower, served by `sgl_embeds serve`: raw images beside spans
         "qwen3_vl": lambda: Server(tiny_qwen3_vl_dir(), extra_args=["--enable-cache-report"], **served),
@@ -159,8 +161,8 @@ POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "
 
 @pytest.fixture(scope="session")
 def gateway(servers):
-    """SGLang's gateway (smg, cache-aware policy) in front of two plugin workers of its own: the
-    gateway's ``url`` and its ``workers`` (``Server`` objects)."""
+    """SGLang's gateway (smg, cache-aware policy) in front of two Llama plugin workers
+    (``GATEWAY_WORKERS``): the gateway's ``url`` and its ``workers`` (``Server`` objects)."""
     workers = servers.get(*GATEWAY_WORKERS)
     gw = Gateway([w.url for w in workers]).start()
     gw.workers = workers
