@@ -14,7 +14,9 @@
 # seconds), clip_frames_reversed (a clip's temporal steps in reverse order); and of what keeps
 # spans apart or counted: route_hint_without_grid (the grid left out of the gateway's routing hint), image_digest_without_size (the encoder cache's image digest without the
 # image's size), vision_ids_unchecked (image_spans.check_vision_ids a no-op), logprob_start_ignored
-# (span rows nulled in input logprobs as if they started at position 0).
+# (span rows nulled in input logprobs as if they started at position 0); and of Qwen3.5's recurrent
+# state: mamba_state_not_restored (a prefix-cache hit's state not copied into the request's slot),
+# conv_state_off_by_one (the conv state kept one position early).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

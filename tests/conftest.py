@@ -40,6 +40,8 @@ CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256",
 QWEN_VL_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 QWEN_VL_SPANS_ARGS = ["--skip-server-warmup", "--chunked-prefill-size", "8", "--max-total-tokens", "256",
                       "--max-running-requests", "8", "--schedule-conservativeness", "0.01"]
+QWEN3_5_ARGS = ["--skip-server-warmup", "--chunked-prefill-size", "16", "--max-mamba-cache-size", "64",
+                "--max-total-tokens", "256", "--max-running-requests", "8", "--schedule-conservativeness", "0.01"]
 
 
 @pytest.fixture(scope="session")
@@ -127,12 +129,12 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "qwen2_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_vl_dir()),
                                          extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
         # Qwen3.5 (hybrid: Gated DeltaNet + full attention; tests/vlm/test_qwen3_5.py): NaN vision
-        # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks;
-        # a small state pool; the conv state in float32 (SGLang's default bfloat16 moved logprobs
+        # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks
+        # and spans are cut; a small state pool, and a KV pool of 256 positions, so that concurrent
+        # requests retract; the conv state in float32 (SGLang's default bfloat16 moved logprobs
         # by up to 4e-3 from HF's)
         "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
-                                  extra_args=[
-            *QWEN_VL_ARGS, "--skip-server-warmup", "--chunked-prefill-size", "16", "--max-mamba-cache-size", "64"]),
+                                  extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
     }, max_running=MAX_RUNNING)
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
