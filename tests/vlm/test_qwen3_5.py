@@ -41,6 +41,7 @@ from sgl_embeds.testing.qwen_vl import (
     sample_clip,
     sample_images,
     tiny_qwen3_5_dir,
+    tiny_qwen3_5_moe_dir,
 )
 
 pytestmark = pytest.mark.server
@@ -234,3 +235,15 @@ def test_retraction_leaves_the_answers_as_they_were(server, checkpoint):
     print(f"{retracted} retraction(s) in {attempts} attempt(s)")
     assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
     assert len({tuple(out["output_ids"]) for out in alone}) > len(prompts) // 2, "the prompts must change the answers"
+
+
+def test_qwen3_5_moe_answers_an_image_span_as_hf(qwen3_5_moe_server):
+    """Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``: each MLP a mixture of experts and a
+    gated shared expert, ``cpu.fused.gate_sigmoid_mul`` on CPU) on the same path: an image span's
+    tokens and logprobs equal HF's on the pixels, and another image changes HF's answer."""
+    moe = tiny_qwen3_5_moe_dir()
+    text = chat_text(moe, "what is the color of the object", 1)
+    image, other = sample_images()["disc"], sample_images()["square"]
+    out = ask(qwen3_5_moe_server, span_segments(text, [grid_span(moe, image)]))
+    tokens = assert_matches_hf(out, moe, text, [image], "Qwen3.5-MoE")
+    assert qwen_vl_greedy(moe, text, [other], MAX_TOKENS).tokens != tokens, "the image must change HF's answer"
