@@ -16,7 +16,8 @@
 # image's size), vision_ids_unchecked (image_spans.check_vision_ids a no-op), logprob_start_ignored
 # (span rows nulled in input logprobs as if they started at position 0); and of Qwen3.5's recurrent
 # state: mamba_state_not_restored (a prefix-cache hit's state not copied into the request's slot),
-# conv_state_off_by_one (the conv state kept one position early).
+# conv_state_off_by_one (the conv state kept one position early); of Qwen3.5-MoE:
+# shared_expert_gate_ungated (the shared expert's gate without its sigmoid).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"
