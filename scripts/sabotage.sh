@@ -17,7 +17,8 @@
 # (span rows nulled in input logprobs as if they started at position 0); and of Qwen3.5's recurrent
 # state: mamba_state_not_restored (a prefix-cache hit's state not copied into the request's slot),
 # conv_state_off_by_one (the conv state kept one position early); of Qwen3.5-MoE:
-# shared_expert_gate_ungated (the shared expert's gate without its sigmoid).
+# shared_expert_gate_ungated (the shared expert's gate without its sigmoid); of the client's regions:
+# region_ignored (sgl.region encodes the whole image, not the box).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -62,8 +62,9 @@ def checkpoint():
 
 
 @pytest.fixture
-def server(servers):
-    return servers.get("qwen3_5")[0]
+def server(qwen3_5_server):
+    """The pooled ``qwen3_5`` server, named so that the pool keeps it while these tests run."""
+    return qwen3_5_server
 
 
 def _ask(server, text: str, **extra) -> dict:
