@@ -15,7 +15,11 @@
 # spans apart or counted: route_hint_without_grid (the grid left out of the gateway's routing hint), image_digest_without_size (the encoder cache's image digest without the
 # image's size), vision_ids_unchecked (image_spans.check_vision_ids a no-op), logprob_start_ignored
 # (span rows nulled in input logprobs as if they started at position 0), rows_cross_every_time
-# (a kept span's rows sent to the scheduler with every request, not once per HTTP worker).
+# (a kept span's rows sent to the scheduler with every request, not once per HTTP worker); and of
+# Qwen3.5's recurrent state: mamba_state_not_restored (a prefix-cache hit's state not copied into the
+# request's slot), conv_state_off_by_one (the conv state kept one position early); of Qwen3.5-MoE:
+# shared_expert_gate_ungated (the shared expert's gate without its sigmoid); of the client's regions:
+# region_ignored (sgl.region encodes the whole image, not the box).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -48,8 +48,8 @@ from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VI
 # were read and tested against HF); the others are refused by name (docs/vision-encoders.md says
 # why: Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its config says, and it has
 # not run here).
-SERVED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
-KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+SERVED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
 _IDENTITY_TAG = b"sgl_embeds/grid/v4"  # v4: images and clips; content keys of blake3-rows/v3
 
@@ -166,6 +166,7 @@ VIDEO_TIME = {
     "qwen2_5_vl": SECONDS_PER_STEP,  # steps second_per_grid_t * tokens_per_second positions apart
     "qwen3_vl": TIMESTAMPS,  # each frame after its time as text, "<1.5 seconds>"
     "qwen3_5": TIMESTAMPS,  # Qwen3-VL's processor and rope index
+    "qwen3_5_moe": TIMESTAMPS,
 }
 
 

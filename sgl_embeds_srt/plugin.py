@@ -39,6 +39,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, image_spans.get_embedding_and_mask),
         targets.QWEN2_VISION_INIT: (HookType.AROUND, image_spans.qwen2_vision_init),
         targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
+        targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
     }
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)

@@ -64,6 +64,7 @@ HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_genera
 GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
 QWEN2_VISION_INIT = "sglang.srt.models.qwen2_vl.Qwen2VisionTransformer.__init__"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
+GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
@@ -105,6 +106,9 @@ PATCHED: dict[str, Guard] = {
     # its Triton kernel, which asks CUDA for the SM count; cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
                                   fp="e2927c7b3f0b4173"),
+    # Qwen3.5-MoE's shared-expert gate (Qwen2MoeSparseMoeBlock.forward, use_fused_gate unless
+    # AMX): a Triton launch, which finds no driver on CPU; cpu.fused.gate_sigmoid_mul computes it
+    GATE_SIGMOID_MUL: server("_fused_gate_sigmoid_mul_add_kernel", "do_add", fp="c87c9d4e8809146c"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),

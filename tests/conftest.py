@@ -21,7 +21,8 @@ import pytest
 from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
 from sgl_embeds.testing.qwen_vl import (
-    poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_vl_dir,
+    poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
+    tiny_qwen3_vl_dir,
 )
 from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
@@ -43,6 +44,8 @@ CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256",
 QWEN_VL_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 QWEN_VL_SPANS_ARGS = ["--skip-server-warmup", "--chunked-prefill-size", "8", "--max-total-tokens", "256",
                       "--max-running-requests", "8", "--schedule-conservativeness", "0.01"]
+QWEN3_5_ARGS = ["--skip-server-warmup", "--chunked-prefill-size", "16", "--max-mamba-cache-size", "64",
+                "--max-total-tokens", "256", "--max-running-requests", "8", "--schedule-conservativeness", "0.01"]
 
 
 @pytest.fixture(scope="session")
@@ -129,12 +132,16 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "qwen2_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_vl_dir()),
                                          extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
         # Qwen3.5 (hybrid: Gated DeltaNet + full attention; tests/vlm/test_qwen3_5.py): NaN vision
-        # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks;
-        # a small state pool; the conv state in float32 (SGLang's default bfloat16 moved logprobs
+        # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks
+        # and spans are cut; a small state pool, and a KV pool of 256 positions, so that concurrent
+        # requests retract; the conv state in float32 (SGLang's default bfloat16 moved logprobs
         # by up to 4e-3 from HF's)
         "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
-                                  extra_args=[
-            *QWEN_VL_ARGS, "--skip-server-warmup", "--chunked-prefill-size", "16", "--max-mamba-cache-size", "64"]),
+                                  extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
+        # Qwen3.5-MoE (its LLM's MLPs mixtures of experts), likewise: one parity test
+        "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),
+                                      env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
+                                      extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
     }, max_running=MAX_RUNNING)
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
@@ -153,10 +160,10 @@ def _pooled(name: str):
 
 
 POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next", "llava_onevision",
-          "qwen_vl", "qwen_vl_spans", "qwen3_vl", "qwen3_vl_spans", "qwen2_vl_spans", "qwen3_5"]
+          "qwen_vl", "qwen_vl_spans", "qwen3_vl", "qwen3_vl_spans", "qwen2_vl_spans", "qwen3_5", "qwen3_5_moe"]
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
  llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server, qwen3_vl_server,
- qwen3_vl_spans_server, qwen2_vl_spans_server, qwen3_5_server) = map(_pooled, POOLED)
+ qwen3_vl_spans_server, qwen2_vl_spans_server, qwen3_5_server, qwen3_5_moe_server) = map(_pooled, POOLED)
 
 
 @pytest.fixture(scope="session")

@@ -12,13 +12,16 @@ import re
 import sglang as sgl
 
 import helpers
+from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, clip_rows,
-                                       hf_qwen_vl, image_rows, qwen_vl_greedy, tiny_qwen2_5_vl_dir,
-                                       tiny_qwen2_vl_dir, tiny_qwen3_vl_dir)
+                                       hf_qwen_vl, image_rows, qwen_vl_greedy, sample_images,
+                                       tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir)
+from sgl_embeds.vlm import load_encoder
 
 MAX_TOKENS = 10
 MIN_COMPARED = 8
+BOX = (8, 16, 56, 80)  # a box on the disc image of sample_images (64x96) that holds the disc
 # The pooled span server of each family (NaN vision weights, tests/conftest.py) -> (checkpoint,
 # clip frame sizes (width, height), the seed of its clips): seeds whose clips give HF answers of
 # several distinct tokens that differ from clip to clip (measured)
@@ -84,3 +87,25 @@ def image_program(before: str, after: str, encoder):
         s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
 
     return ask_about
+
+
+def assert_regions_match_hf(checkpoint, server, regions: dict) -> None:
+    """A program with the family's client vision half (``load_encoder``): ``sgl.image`` and
+    ``sgl.region`` of each of ``regions`` (name -> None for the whole image, a box or a mask) on
+    the disc image answer as HF does on what the region shows, sent directly as a span too; each
+    region changes HF's answer."""
+    encoder = load_encoder(checkpoint, device="cpu")
+    backend = EmbedsEndpoint(server.url, vision_encoder=encoder)
+    assert backend.span_width == encoder(sample_images()["square"]).rows.shape[1]
+    text = chat_text(checkpoint, "what is the color of the object", 1)
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    image = sample_images()["disc"]
+    ask_about = image_program(before, after, encoder)
+    references = {}
+    for name, region in regions.items():
+        seen = vision.region_image(image, region, encoder)
+        encoded = encoder(seen)
+        direct = ask(server, span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}]))
+        references[name] = assert_matches_hf(direct, checkpoint, text, [seen], f"client encoder, {name}")
+        assert ask_about.run(image=image, region=region, backend=backend)["answer"] == direct["text"], name
+    assert len({tuple(r) for r in references.values()}) == len(regions), f"each region must change HF: {references}"

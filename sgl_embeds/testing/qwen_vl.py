@@ -33,6 +33,8 @@ IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
 QWEN3_PATCH = 16  # Qwen3-VL's patch size
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet + attention, Qwen3-VL's vision half
+QWEN3_FAMILIES = ("qwen3_vl", *HYBRID_FAMILIES)  # Qwen3-VL's processor, interleaved M-RoPE
 FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth LLM layer is full attention, the rest linear
 FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
@@ -133,14 +135,27 @@ def tiny_qwen3_5_dir() -> Path:
     32, output gate, rotary on a quarter of the head: interleaved M-RoPE sections [2, 1, 1]); the
     vision half is Qwen3-VL's without deepstack (width 32, depth 2, patch 16). The zero-centred
     norms get small random weights, so a kernel that drops their ``1 +`` is seen."""
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  num_position_embeddings=64)
-    return _qwen_vl_dir(f"tiny-qwen3_5-{QWEN_VL_CACHE_VERSION}", "qwen3_5", text, vision,
+    return _qwen_vl_dir(f"tiny-qwen3_5-{QWEN_VL_CACHE_VERSION}", "qwen3_5", _HYBRID_TEXT, _HYBRID_VISION,
                         (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
+
+
+def tiny_qwen3_5_moe_dir() -> Path:
+    """A tiny random-weight ``Qwen3_5MoeForConditionalGeneration`` (Qwen3.5-MoE): the layers of
+    ``tiny_qwen3_5_dir`` with each MLP a mixture of 4 experts (2 per token, width 32) and a
+    shared expert (width 64)."""
+    text = dict(_HYBRID_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64)
+    return _qwen_vl_dir(f"tiny-qwen3_5_moe-{QWEN_VL_CACHE_VERSION}", "qwen3_5_moe", text, _HYBRID_VISION,
+                        (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
+
+
+# Qwen3.5's sizes (tiny_qwen3_5_dir): its language model, and Qwen3-VL's vision half without deepstack
+_HYBRID_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4)
+_HYBRID_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=64)
 
 
 def _qwen2_5_vl_dir(name: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
@@ -162,6 +177,8 @@ def _family_classes(family: str) -> tuple:
                      tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
         "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor,
                     tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
+        "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration, tf.Qwen3VLProcessor,
+                        tf.Qwen3VLVideoProcessor, QWEN3_PATCH),
     }[family]
 
 
@@ -184,9 +201,9 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         # positions must fail the parity tests). Qwen3-VL interleaves the axes' frequencies (HF
         # always does; SGLang where the config says so, as real Qwen3-VL configs do).
         rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)}
-        if family in ("qwen3_vl", "qwen3_5"):
+        if family in QWEN3_FAMILIES:
             rope["mrope_interleaved"] = True
-        if family == "qwen3_5":  # rotary on a quarter of the head (Qwen3.5's own factor)
+        if family in HYBRID_FAMILIES:  # rotary on a quarter of the head (Qwen3.5's own factor)
             rope.update(partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
         text = dict(vocab_size=len(tok), **text_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id, rope_parameters=rope)
@@ -195,7 +212,7 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
             text_config=text, vision_config=vision, tie_word_embeddings=False,
             image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
             vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-            **({} if family in ("qwen3_vl", "qwen3_5") else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            **({} if family in QWEN3_FAMILIES else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                      pad_token_id=tok.pad_token_id)),
         )
         seed, lm_scale, merger_scale = init
@@ -204,7 +221,7 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
-                    if family == "qwen3_5" and "language_model" in name:  # zero-centred: 1 + w
+                    if family in HYBRID_FAMILIES and "language_model" in name:  # zero-centred: 1 + w
                         p.add_(0.3 * torch.randn_like(p))
                     continue
                 if "language_model" in name or name.startswith("lm_head"):
@@ -214,14 +231,14 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
-        if family == "qwen3_5":  # fields SGLang reads and HF does not keep, as real checkpoints have
+        if family in HYBRID_FAMILIES:  # fields SGLang reads and HF does not keep, as real checkpoints have
             _set_config(tmp, "text_config", full_attention_interval=FULL_ATTENTION_INTERVAL)
             _set_config(tmp, "vision_config", deepstack_visual_indexes=[])  # SGLang's default: 3 layers
         min_tokens, max_tokens = image_tokens
         pixels = dict(patch_size=patch, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         image_processor = Qwen2VLImageProcessor(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
                                                 **pixels)
-        if family in ("qwen3_vl", "qwen3_5"):
+        if family in QWEN3_FAMILIES:
             video_processor = video_class(size={"shortest_edge": min_tokens * factor**2,
                                                 "longest_edge": 4 * max_tokens * factor**2},
                                           do_sample_frames=False, **pixels)
@@ -337,7 +354,7 @@ def clip_rows(checkpoint: str | Path, frames, fps: float) -> tuple[torch.Tensor,
     temporal_patch = processor.video_processor.temporal_patch_size
     if model.config.model_type == "qwen2_5_vl":
         fields["second_per_grid_t"] = temporal_patch / fps
-    elif model.config.model_type == "qwen3_vl":
+    elif model.config.model_type in QWEN3_FAMILIES:  # Qwen3.5 takes Qwen3-VL's processor
         fields["video_timestamps"] = processor._calculate_timestamps(list(range(len(frames))), fps, temporal_patch)
     return rows, fields
 

@@ -34,6 +34,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
@@ -46,7 +47,8 @@ from sgl_embeds.vlm.pixels import BACKENDS
 TOWERS = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
           "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
           "qwen3_vl": Qwen3VLVisionModel,
-          "qwen3_5": Qwen3_5VisionModel}  # Qwen3-VL's tower without deepstack
+          "qwen3_5": Qwen3_5VisionModel,  # Qwen3-VL's tower without deepstack
+          "qwen3_5_moe": Qwen3_5MoeVisionModel}  # the same tower
 MODEL_TYPES = tuple(TOWERS)
 # The vision weights: ``visual.*`` as transformers saves them, ``model.visual.*`` as the modules
 # of ``Qwen2_5_VLForConditionalGeneration`` name them.
@@ -161,7 +163,7 @@ def clip_time(model_type: str, n_frames: int, fps: float, temporal_patch: int) -
     Qwen2-VL none (its steps are 1 position apart)."""
     if model_type == "qwen2_5_vl":
         return {"second_per_grid_t": temporal_patch / fps}
-    if model_type in ("qwen3_vl", "qwen3_5"):  # Qwen3.5 takes Qwen3-VL's processor
+    if model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):  # Qwen3.5 takes Qwen3-VL's processor
         frames = list(range(n_frames)) + [n_frames - 1] * (-n_frames % temporal_patch)
         seconds = [frame / fps for frame in frames]  # HF's order of operations, for its rounding
         return {"timestamps": tuple((seconds[i] + seconds[i + temporal_patch - 1]) / 2

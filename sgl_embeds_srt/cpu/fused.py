@@ -6,8 +6,9 @@ name (``srt/models/utils.py``, ``kernels/ops/attention/triton_gdn_fused_proj.py`
 are Qwen3.5's zero-centred RMS norms, ``x / rms(x) * (1 + w)``, computed in float32 and returned
 in the input's dtype (HF's ``Qwen3_5RMSNorm``).
 
-``rms_norm_gated`` is not an ``sgl_kernel`` op but the plugin's hook around SGLang's gated RMS
-norm (``targets.GATED_RMSNORM_FORWARD``): on a CPU without AMX SGLang would run a Triton kernel.
+``rms_norm_gated`` and ``gate_sigmoid_mul`` are not ``sgl_kernel`` ops but the plugin's hooks
+around SGLang's gated RMS norm (``targets.GATED_RMSNORM_FORWARD``) and Qwen3.5-MoE's shared-expert
+gate (``targets.GATE_SIGMOID_MUL``): on a CPU without AMX SGLang would run a Triton kernel.
 """
 
 from __future__ import annotations
@@ -71,3 +72,17 @@ def rms_norm_gated(original: Callable, self: Any, x: torch.Tensor, z: torch.Tens
     if z is not None:
         y = y * F.silu(z.float())
     return y.to(x.dtype)
+
+
+def gate_sigmoid_mul(original: Callable, hidden_states: torch.Tensor, gate_weight: torch.Tensor,
+                     shared_output: torch.Tensor, output: torch.Tensor, *, do_add: bool) -> None:
+    """The shared expert's gate of Qwen2-MoE and Qwen3.5-MoE, ``output (+)= sigmoid(h . w) *
+    shared`` per token (HF's ``sigmoid(shared_expert_gate(h)) * shared_expert(h)``), in float32,
+    for CPU tensors; anything else goes to ``original`` (SGLang's Triton launch)."""
+    if hidden_states.device.type != "cpu":
+        return original(hidden_states, gate_weight, shared_output, output, do_add=do_add)
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(-1)
+    result = gate * shared_output.float()
+    if do_add:
+        result = result + output.float()
+    output.copy_(result.to(output.dtype))

@@ -219,3 +219,19 @@ def test_gated_rmsnorm_hook_equals_hf_norm():
     x, z = torch.randn(7, 12, generator=gen), torch.randn(7, 12, generator=gen)
     stock = lambda *args: pytest.fail("the CPU path must not reach SGLang's Triton kernel")  # noqa: E731
     torch.testing.assert_close(fused.rms_norm_gated(stock, ours, x, z), theirs(x, z), **TOL)
+
+
+@pytest.mark.parametrize("do_add", [False, True])
+def test_shared_expert_gate_hook_equals_hf_gate(do_add):
+    """Qwen3.5-MoE's shared expert: ``sigmoid(shared_expert_gate(h)) * shared_expert(h)``, added
+    to the routed experts' output (HF's ``Qwen3_5MoeSparseMoeBlock``)."""
+    gen = torch.Generator().manual_seed(5)
+    h, shared, routed = (torch.randn(6, 10, generator=gen) for _ in range(3))
+    gate = torch.nn.Linear(10, 1, bias=False)
+    with torch.no_grad():
+        gate.weight.normal_(generator=gen)
+    output = routed.clone()
+    stock = lambda *args, **kwargs: pytest.fail("the CPU path must not reach SGLang's Triton kernel")  # noqa: E731
+    fused.gate_sigmoid_mul(stock, h, gate.weight.detach().squeeze(0), shared, output, do_add=do_add)
+    hf_shared = torch.sigmoid(gate(h)) * shared
+    torch.testing.assert_close(output, hf_shared + routed if do_add else hf_shared, **TOL)
