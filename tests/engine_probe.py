@@ -54,8 +54,9 @@ def main(model_dir: str) -> dict:
     return out
 
 
-# the clip main_qwen_vl sends: sample_clip(frames, width, height, seed=...) at fps
-CLIP = (4, 224, 56, 1, 2.0)
+# the clip main_qwen_vl sends: sample_clip(frames, width, height, seed=...) at fps; at 4 fps a
+# step is 0.5 s, not the 1 s SGLang assumes without the field (so dropping it changes the answer)
+CLIP = (4, 224, 56, 1, 4.0)
 
 
 def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
