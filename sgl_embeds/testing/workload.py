@@ -223,6 +223,11 @@ class ArmClient:
             fields = self.writer.fields("input_segments", [segments], False, check_values=False)
         return fields, [s.rows for s in segments if isinstance(s, seg.Span)]
 
+    def forget_prepared(self) -> None:
+        """Drop what ``prepare`` made (a long run's harness memory, not a client's)."""
+        for made in (self._pixels, self._png, self._rows):
+            made.clear()
+
     def atoms(self, pieces: list) -> list:
         """The prompt as the server counts it: its tokens (with what the tokenizer puts first,
         as the server tokenizes), an item as its rows."""
@@ -284,6 +289,19 @@ def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
     return merged
 
 
+def rss(pids: list[int], children: bool = True) -> int:
+    """The resident memory (bytes) of processes now and, with ``children``, theirs."""
+    total = 0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p, *(p.children(recursive=True) if children else [])]:
+                total += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
 class RssPeak:
     """The peak resident memory (bytes) of processes and, with ``children``, theirs, sampled
     every ``interval`` s while in use."""
@@ -294,15 +312,7 @@ class RssPeak:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> int:
-        total = 0
-        for pid in self.pids:
-            try:
-                p = psutil.Process(pid)
-                for q in [p, *(p.children(recursive=True) if self.children else [])]:
-                    total += q.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
+        return rss(self.pids, self.children)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -1,0 +1,151 @@
+"""The VLM chat workload of ``bench_vlm_workload.py`` for a fixed time on one server of ours, to
+find errors and unbounded growth (issue #35, item 4): memory after warm-up must stay flat and no
+turn may fail.
+
+One server with the plugin serves the random-weight ``testing.qwen_vl.bench_qwen2_5_vl_dir``.
+Episodes of ``--users`` concurrent multi-turn chats follow each other until ``--minutes`` have
+passed, each with a new plan (new images, so every cache keeps filling), alternating the two arms
+of ours: spans inline and spans by handle. Each arm keeps one client for the whole run (its
+``EncoderCache`` and its held spans live as long as a real client's). After each episode it
+records the server's resident memory (its scheduler and detokenizer included), the client's, the
+server's span store and the rows it holds for the scheduler (``/sgl_embeds/info``), and the
+client caches' sizes. Errors are counted per episode, not raised.
+
+    python benchmarks/soak_vlm_workload.py [--minutes 10] [--users 4] [--turns 3] [--reuse 0.5]
+        [--image-side 448] [--warmup-minutes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psutil
+import requests
+from transformers import AutoTokenizer
+
+from common import RESULTS, make_server, provenance, save, table
+from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
+from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, rss, run_episode
+from sgl_embeds.vlm import QwenVLEncoder
+
+MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
+OURS = [arm for arm in ARMS if arm != "stock raw image"]
+
+
+def sample(url: str, server_pid: int, clients: dict[str, ArmClient], t0: float) -> dict:
+    """Memory and cache sizes now."""
+    info = requests.get(url + "/sgl_embeds/info", timeout=30).json()
+    return {
+        "t_s": time.perf_counter() - t0,
+        "server_rss": rss([server_pid]),
+        "client_rss": rss([psutil.Process().pid], children=False),
+        "span_store": info["span_store"], "rows_to_scheduler": info["rows_to_scheduler"],
+        "encoder_cache": {arm: c.cache.stats() for arm, c in clients.items()},
+        "held_spans": {arm: c.writer.held.sizes()[0] for arm, c in clients.items() if c.writer.held is not None},
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_dir = bench_qwen2_5_vl_dir()
+    encoder = QwenVLEncoder(model_dir, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    server = make_server(model_dir, plugin=True, extra=MM_ARGS).start()
+    clients = {arm: ArmClient(arm, server.url, encoder, tokenizer, args.image_side, args.answer_tokens)
+               for arm in OURS}
+    episodes, samples = [], []
+    try:
+        t0 = time.perf_counter()
+        samples.append(sample(server.url, server.proc.pid, clients, t0))
+        i = 0
+        while time.perf_counter() - t0 < args.minutes * 60:
+            arm = OURS[i % len(OURS)]
+            plan = plan_turns(args.users, args.turns, args.reuse, seed=10_000 + i, image_side=args.image_side)
+            try:
+                out = run_episode(clients[arm], plan)
+                episodes.append({"arm": arm, "turns": out["turns"], "errors": 0, "resent": out["resent"],
+                                 "requests_per_s": out["requests_per_s"]})
+            except Exception as e:  # noqa: BLE001 - counted: the soak's first verdict
+                episodes.append({"arm": arm, "turns": 0, "errors": 1, "error": repr(e)[:500]})
+            clients[arm].forget_prepared()  # the harness's own pixels, not a client's memory
+            samples.append(sample(server.url, server.proc.pid, clients, t0))
+            print(f"{samples[-1]['t_s']:6.0f} s  episode {i} {arm}: {episodes[-1]}  server RSS "
+                  f"{samples[-1]['server_rss'] / 2**20:.0f} MiB", flush=True)
+            i += 1
+    finally:
+        server.stop()
+    return {"episodes": episodes, "samples": samples}
+
+
+def verdict(results: dict, warmup_s: float) -> dict:
+    """Growth after warm-up: the last sample's memory against the first sample after warm-up."""
+    after = [s for s in results["samples"] if s["t_s"] >= warmup_s]
+    if len(after) < 2:
+        raise SystemExit(f"fewer than two samples after the {warmup_s:.0f} s warm-up: run longer")
+    first, last = after[0], after[-1]
+    growth = {k: (last[k] - first[k]) / first[k] for k in ("server_rss", "client_rss")}
+    return {"turns": sum(e["turns"] for e in results["episodes"]),
+            "errors": sum(e["errors"] for e in results["episodes"]),
+            "episodes": len(results["episodes"]), "warmup_s": warmup_s,
+            "after_warmup": {k: (first[k], max(s[k] for s in after), last[k]) for k in ("server_rss", "client_rss")},
+            "growth": growth}
+
+
+def report(results: dict, v: dict, args: argparse.Namespace) -> str:
+    mib = lambda b: f"{b / 2**20:.0f}"
+    rows = [[name, *(mib(x) for x in v["after_warmup"][key]), f"{v['growth'][key]:+.1%}"]
+            for name, key in (("server (all its processes)", "server_rss"), ("client", "client_rss"))]
+    last = results["samples"][-1]
+    text = f"Measured: {provenance()}\n"
+    text += (f"\n{args.minutes} minutes, {args.users} concurrent users, {args.turns} turns each, "
+             f"reuse {args.reuse:.0%}, {args.image_side}x{args.image_side} images, arms {' / '.join(OURS)} "
+             f"alternating: {v['episodes']} episodes, {v['turns']} turns, **{v['errors']} errors**.\n")
+    text += table(f"Resident memory after a {v['warmup_s']:.0f} s warm-up (MiB)",
+                  ["process", "first after warm-up", "peak after warm-up", "last", "last vs first"], rows)
+    text += (f"\nAt the end: span store {last['span_store']}, rows held for the scheduler "
+             f"{last['rows_to_scheduler']}, encoder caches {last['encoder_cache']}, "
+             f"held spans {last['held_spans']}.\n")
+    return text
+
+
+def plot(results: dict, warmup_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t_s"] / 60 for s in results["samples"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(t, [s["server_rss"] / 2**20 for s in results["samples"]], marker=".", label="server (all its processes)")
+    ax.plot(t, [s["client_rss"] / 2**20 for s in results["samples"]], marker=".", label="client")
+    ax.axvline(warmup_s / 60, color="grey", linestyle=":", label="end of warm-up")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.suptitle("Soak: the VLM chat workload on one server of ours")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vlm_soak.png", dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--warmup-minutes", type=float, default=2)
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--reuse", type=float, default=0.5)
+    ap.add_argument("--image-side", type=int, default=448)
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    args = ap.parse_args()
+    results = run(args)
+    v = verdict(results, args.warmup_minutes * 60)
+    text = report(results, v, args)
+    save("vlm_soak", {**results, "verdict": v, "provenance": provenance()}, text)
+    plot(results, args.warmup_minutes * 60)
+    print(text)
+    raise SystemExit(1 if v["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()
