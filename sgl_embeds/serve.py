@@ -12,7 +12,12 @@ It reads the checkpoint's ``config.json`` and takes the family's way (``plan``):
 The launch flags suit the machine (``machine_args``: CPU defaults without a usable CUDA device,
 SGLang's own otherwise); the flags given after the checkpoint come last, so they override. It
 prints the exact ``python -m sglang.launch_server`` line, then becomes that process (``exec``:
-same pid, so signals reach SGLang).
+same pid, so signals reach SGLang). With ``--dry-run`` (anywhere after ``serve``) it prints the
+line and stops: nothing is split or launched (a LLaVA checkpoint's line names the folder its
+split would be made in).
+
+``launch`` starts the command as a child process for a notebook or script (``Served``: its
+``url``, ``stop()``).
 """
 
 from __future__ import annotations
@@ -98,9 +103,10 @@ class ServeError(ValueError):
     """A checkpoint ``serve`` does not serve (the message is one line)."""
 
 
-def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Launch:
-    """The launch of ``checkpoint`` (splitting a LLaVA one first, once); ``ServeError`` for a
-    family it does not serve."""
+def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
+         dry_run: bool = False) -> Launch:
+    """The launch of ``checkpoint`` (splitting a LLaVA one first, once, unless ``dry_run``);
+    ``ServeError`` for a family it does not serve."""
     checkpoint = Path(checkpoint)
     config_path = checkpoint / "config.json"
     if not config_path.exists():
@@ -109,7 +115,7 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Lau
     family = config.get("model_type")
     env = dict(CPU_ENV) if on_cpu() else {}
     if family in SPLIT_FAMILIES:
-        llm = split_dir(checkpoint, progress) / "llm"
+        llm = split_dir(checkpoint, progress, make=not dry_run) / "llm"
         return Launch(family, llm, [*machine_args(), *flags], env)
     if family in NATIVE_FAMILIES:
         return Launch(family, checkpoint, [*machine_args(), *family_args(True), *flags], env)
@@ -146,12 +152,16 @@ def checkpoint_key(checkpoint: Path, progress: bool = True) -> str:
     return h.hexdigest()[:32]
 
 
-def split_dir(checkpoint: Path, progress: bool = True) -> Path:
+def split_dir(checkpoint: Path, progress: bool = True, make: bool = True) -> Path:
     """The split of ``checkpoint`` in the split cache (``llm/`` and ``vision/``), made on first
-    use: into a temporary folder renamed when done, so an interrupted split is never reused."""
+    use (unless ``make`` is False): into a temporary folder renamed when done, so an interrupted
+    split is never reused."""
     target = cache_root() / "splits" / checkpoint_key(checkpoint, progress)
     if (target / "llm" / "config.json").exists() and (target / "vision").exists():
         print(f"[serve] split of {checkpoint} found: {target}", flush=True)
+        return target
+    if not make:
+        print(f"[serve] {checkpoint} would be split into {target}", flush=True)
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -170,11 +180,16 @@ def plugin_installed() -> bool:
     return any(ep.name == "sgl_embeds" for ep in entry_points(group="sglang.srt.plugins"))
 
 
+DRY_RUN = "--dry-run"
+
+
 def main(argv: list[str]) -> int:
-    """``serve CHECKPOINT [SGLang flags...]``: print the launch line, then run it (never returns
-    unless it fails before the launch)."""
+    """``serve CHECKPOINT [--dry-run] [SGLang flags...]``: print the launch line, then run it
+    (never returns unless it fails before the launch, or with ``--dry-run``)."""
+    dry_run = DRY_RUN in argv
+    argv = [arg for arg in argv if arg != DRY_RUN]
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m sgl_embeds serve CHECKPOINT [SGLang flags...]\n\n{__doc__}")
+        print(f"usage: python -m sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]\n\n{__doc__}")
         return 0 if argv else 2
     if not plugin_installed():
         print("error: the sgl_embeds plugin is not installed in this environment "
@@ -182,9 +197,11 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        launch = plan(argv[0], argv[1:], progress=sys.stderr.isatty())
+        launch = plan(argv[0], argv[1:], progress=sys.stderr.isatty(), dry_run=dry_run)
     except (ServeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[serve] {launch.family or 'text LLM'}: {launch.command_line()}", flush=True)
+    if dry_run:
+        return 0
     os.execve(sys.executable, launch.argv, {**os.environ, **launch.env})
