@@ -26,12 +26,18 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import blake3
+import requests
 import torch
 from tqdm import tqdm
 
@@ -197,11 +203,93 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        launch = plan(argv[0], argv[1:], progress=sys.stderr.isatty(), dry_run=dry_run)
+        planned = plan(argv[0], argv[1:], progress=sys.stderr.isatty(), dry_run=dry_run)
     except (ServeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[serve] {launch.family or 'text LLM'}: {launch.command_line()}", flush=True)
+    print(f"[serve] {planned.family or 'text LLM'}: {planned.command_line()}", flush=True)
     if dry_run:
         return 0
-    os.execve(sys.executable, launch.argv, {**os.environ, **launch.env})
+    os.execve(sys.executable, planned.argv, {**os.environ, **planned.env})
+
+
+# launch: the first port from SGLang's default up that nothing listens on; how long a start may take
+FIRST_PORT = 30000
+START_TIMEOUT_S = 300.0
+READY_LINE = "fired up and ready to roll"  # SGLang's log line once its warm-up request is done
+
+
+@dataclass
+class Served:
+    """A server ``launch`` started: its ``url``, the ``command`` it runs, its ``log`` file."""
+
+    url: str
+    command: list[str]
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        """SIGTERM to the server (it drains, then stops its children), SIGKILL to what is left of
+        its process group after 30 s."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def launch(checkpoint: str | Path, *flags: str, port: int | None = None,
+           timeout: float = START_TIMEOUT_S) -> Served:
+    """Run ``python -m sgl_embeds serve CHECKPOINT --port PORT FLAGS`` as a child process (for a
+    notebook or a script; in a shell, run the printed command), print that command and then the
+    ``sglang.launch_server`` line serve runs, and return once the server answers. ``port``: the
+    first free one from 30000 by default. ``RuntimeError`` with the end of the server's log if
+    it exits or is not ready within ``timeout`` seconds (then it is stopped)."""
+    port = port or next(p for p in range(FIRST_PORT, FIRST_PORT + 1000) if not _listening(p))
+    command = [sys.executable, "-m", "sgl_embeds", "serve", str(checkpoint), "--host", "127.0.0.1",
+               "--port", str(port), *flags]
+    print(f"$ {shlex.join(command)}", flush=True)
+    fd, name = tempfile.mkstemp(prefix=f"sgl_embeds-serve-{port}-", suffix=".log")
+    with os.fdopen(fd, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    served = Served(f"http://127.0.0.1:{port}", command, process, Path(name))
+    try:
+        _wait_ready(served, timeout)
+    except BaseException:
+        served.stop()
+        raise
+    print(next(line for line in served.log.read_text().splitlines() if line.startswith("[serve]")), flush=True)
+    return served
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_ready(served: Served, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = served.log.read_text(errors="replace")
+        if served.process.poll() is not None:
+            raise RuntimeError(f"the server exited ({served.process.returncode}):\n{log[-3000:]}")
+        try:
+            if READY_LINE in log and requests.get(served.url + "/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s; its log ends:\n"
+                       f"{served.log.read_text(errors='replace')[-3000:]}")
