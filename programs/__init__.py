@@ -1,8 +1,10 @@
 """Ready ``@sgl.function`` programs for VLM developers, built on ``sgl.embeds`` / ``sgl.region``.
 
-Each takes precomputed embeddings (``[n, hidden]`` tensors from your vision tower + projector) or
-an image and boxes (with a backend that has a ``vision_encoder``). Run them with
-``program.run(..., backend=EmbedsEndpoint(url))``.
+Each takes images (with a backend that has a ``vision_encoder``) or precomputed embeddings
+(``[n, hidden]`` tensors from your vision tower + projector), and writes each image as the served
+model's chat template does (``sgl_embeds.image_part``). Run them with
+``program.run(..., backend=sgl_embeds.connect(url))``: ``connect`` gives the endpoint the model's
+vision half and chat template, so the prompt is the one HF's processor writes.
 """
 
 from programs.attributes import extract_attributes

@@ -16,9 +16,9 @@ from sgl_embeds_srt.segments import Span, Ids, Prompt, Text
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.connect import connect
 from sgl_embeds.hooks import install
-from sgl_embeds.lang import compile_program, embeds, program_segments, region, video
+from sgl_embeds.lang import compile_program, embeds, image_part, program_segments, region, video
 
 install()
 
-__all__ = ["connect", "embeds", "region", "video", "program_segments", "compile_program", "EmbedsEndpoint",
+__all__ = ["connect", "embeds", "image_part", "region", "video", "program_segments", "compile_program", "EmbedsEndpoint",
            "Prompt", "Text", "Ids", "Span", "wire"]

@@ -1,4 +1,4 @@
-"""``python -m sgl_embeds serve CHECKPOINT [SGLang flags...]`` (also the console script
+"""``python -m sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]`` (also the console script
 ``sgl_embeds``): serve a checkpoint with the plugin (``serve.py``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 from sgl_embeds import serve
 
-USAGE = "usage: sgl_embeds serve CHECKPOINT [SGLang flags...]"
+USAGE = "usage: sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,15 @@ its family, how it is served, where its vision half lies, whether an image's spa
 ``load_encoder``, or a ``VisionEncoder``), and refuses, before any request, one whose rows the
 server would refuse or misread: another span width, another family, a grid where none is taken or
 none where one is needed. The error says what would fit.
+
+The endpoint's chat template is then the model's own (``vlm.model_chat_template`` of the vision
+half's folder), so a program's ``sgl.user`` / ``sgl.assistant`` and ``sgl_embeds.image_part``
+write the prompt HF's processor writes for the same conversation (programs/ rely on it).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,7 @@ from PIL import Image
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vision import encode_region
 from sgl_embeds.vlm import load_encoder
+from sgl_embeds.vlm.prompt import model_chat_template
 
 # A small grey image: what an encoder that does not state its fit is run on once, to see it
 PROBE_IMAGE_SIZE = (64, 64)
@@ -28,7 +34,9 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
     None loads the server's own vision half (``load_encoder`` of the folder the server names;
     none for a text LLM); a folder is loaded with ``load_encoder``; anything else is taken as a
     ``VisionEncoder``. ``ValueError`` when it does not fit the server. ``endpoint_options`` go to
-    ``EmbedsEndpoint`` (``device`` picks where the encoder runs)."""
+    ``EmbedsEndpoint`` (``device`` picks where the encoder runs). With a folder (or None), the
+    endpoint's chat template is the model's own, read from that folder; with a ``VisionEncoder``
+    object, SGLang's (``chat_template_name``)."""
     device = endpoint_options.pop("device", None)
     backend = EmbedsEndpoint(url, **endpoint_options)
     served = backend.server_info.get("model")
@@ -38,13 +46,20 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
                            "EmbedsEndpoint yourself")
     if vision is None:
         vision = _served_vision_dir(url, served)
-    if isinstance(vision, (str, Path)):
-        vision = load_encoder(vision, device=device)
+    folder = vision if isinstance(vision, (str, Path)) else None
+    if folder is not None:
+        vision = load_encoder(folder, device=device)
     if vision is not None:
         problem = fit_error(vision, served, backend.span_width)
         if problem:
             raise ValueError(f"the vision encoder does not fit the model at {url}: {problem}")
     backend.vision_encoder = vision
+    if folder is not None and "chat_template_name" not in endpoint_options:
+        try:
+            backend.chat_template = model_chat_template(folder, vision.image_token)
+        except (FileNotFoundError, ValueError) as e:  # the prompt can still be rendered by hand
+            warnings.warn(f"{e}; sgl.user / sgl.assistant keep SGLang's chat template "
+                          f"{backend.chat_template.name!r}", stacklevel=2)
     return backend
 
 

@@ -1,5 +1,5 @@
-"""DSL primitives ``sgl.embeds(x)``, ``sgl.region(box)`` and ``sgl.video(frames, fps)``, and
-their executor hooks.
+"""DSL primitives ``sgl.embeds(x)``, ``sgl.region(box)``, ``sgl.video(frames, fps)`` and
+``sgl_embeds.image_part(image)``, and their executor hooks.
 
 A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
 characters around a per-program index), with the span kept in the table of the executor's
@@ -16,15 +16,18 @@ served Qwen2.5-VL without its tower running on the server.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from PIL import Image
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 from sglang.lang.choices import ChoicesDecision
 from sglang.lang.api import video as _stock_video
 from sglang.lang.ir import SglArgument, SglExpr, SglImage
+from sglang.lang.api import image as _stock_image
 
 from sgl_embeds import vision
 from sgl_embeds_srt import segments as seg
@@ -112,6 +115,38 @@ def region(box: Any, image: Any = None, encoder: Callable | None = None) -> SglR
     elif not isinstance(box, SglArgument):
         vision.check_box_form(box)
     return SglRegion(box, image, encoder)
+
+
+# What an image part writes around the image's rows when the chat template does not say (not a
+# model's own, read by ``vlm.model_chat_template``): the rows, then a new line
+PLAIN_IMAGE_PART = ("", "\n")
+
+
+class SglImagePart(SglExpr):
+    """An image in a chat turn: its rows with the model's own text around them (``image_part``)."""
+
+    def __init__(self, rows: SglExpr):
+        super().__init__()
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"SglImagePart({self.rows!r})"
+
+
+def image_part(x: Any) -> SglImagePart:
+    """An image part of a chat turn, written as the served model's chat template writes one: its
+    vision tokens (Qwen-VL: vision-start, the rows, vision-end) or its separator (LLaVA: the rows
+    and a new line) around the rows of ``x``: an image (PIL, path or base64: ``sgl.image``), a
+    tensor (``sgl.embeds``) or an ``sgl.image`` / ``sgl.region`` / ``sgl.embeds`` expression.
+    The text is the backend's chat template's ``image_part`` (``sgl_embeds.connect`` sets the
+    model's own); with another template, the rows and a new line."""
+    if isinstance(x, SglImagePart):
+        raise ValueError("image_part(image_part(...)): an image part holds an image, not a part")
+    if isinstance(x, SglExpr):
+        return SglImagePart(x)
+    if not isinstance(x, (str, bytes, os.PathLike, Image.Image)):
+        return SglImagePart(embeds(x))  # rows (a placeholder argument when run_batch traces)
+    return SglImagePart(_stock_image(str(x) if isinstance(x, os.PathLike) else x))
 
 
 @dataclass
@@ -205,6 +240,11 @@ def execute(original: Callable, self: Any, other: Any) -> Any:
         return _execute_video(self, other)
     if isinstance(other, SglRegion):
         return _execute_region(self, other)
+    if isinstance(other, SglImagePart):
+        before, after = getattr(self.chat_template, "image_part", PLAIN_IMAGE_PART)
+        self._execute_fill(before)
+        self._execute(other.rows)
+        return self._execute_fill(after)
     if isinstance(other, SglImage):
         program_spans(self).images.append(other.path)  # loaded only if a region asks for it
         encoder = getattr(self.backend, "vision_encoder", None)

@@ -12,7 +12,12 @@ It reads the checkpoint's ``config.json`` and takes the family's way (``plan``):
 The launch flags suit the machine (``machine_args``: CPU defaults without a usable CUDA device,
 SGLang's own otherwise); the flags given after the checkpoint come last, so they override. It
 prints the exact ``python -m sglang.launch_server`` line, then becomes that process (``exec``:
-same pid, so signals reach SGLang).
+same pid, so signals reach SGLang). With ``--dry-run`` (anywhere after ``serve``) it prints the
+line and stops: nothing is split or launched (a LLaVA checkpoint's line names the folder its
+split would be made in).
+
+``launch`` starts the command as a child process for a notebook or script (``Served``: its
+``url``, ``stop()``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,18 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import blake3
+import requests
 import torch
 from tqdm import tqdm
 
@@ -98,9 +109,10 @@ class ServeError(ValueError):
     """A checkpoint ``serve`` does not serve (the message is one line)."""
 
 
-def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Launch:
-    """The launch of ``checkpoint`` (splitting a LLaVA one first, once); ``ServeError`` for a
-    family it does not serve."""
+def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
+         dry_run: bool = False) -> Launch:
+    """The launch of ``checkpoint`` (splitting a LLaVA one first, once, unless ``dry_run``);
+    ``ServeError`` for a family it does not serve."""
     checkpoint = Path(checkpoint)
     config_path = checkpoint / "config.json"
     if not config_path.exists():
@@ -109,7 +121,7 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True) -> Lau
     family = config.get("model_type")
     env = dict(CPU_ENV) if on_cpu() else {}
     if family in SPLIT_FAMILIES:
-        llm = split_dir(checkpoint, progress) / "llm"
+        llm = split_dir(checkpoint, progress, make=not dry_run) / "llm"
         return Launch(family, llm, [*machine_args(), *flags], env)
     if family in NATIVE_FAMILIES:
         return Launch(family, checkpoint, [*machine_args(), *family_args(True), *flags], env)
@@ -146,12 +158,16 @@ def checkpoint_key(checkpoint: Path, progress: bool = True) -> str:
     return h.hexdigest()[:32]
 
 
-def split_dir(checkpoint: Path, progress: bool = True) -> Path:
+def split_dir(checkpoint: Path, progress: bool = True, make: bool = True) -> Path:
     """The split of ``checkpoint`` in the split cache (``llm/`` and ``vision/``), made on first
-    use: into a temporary folder renamed when done, so an interrupted split is never reused."""
+    use (unless ``make`` is False): into a temporary folder renamed when done, so an interrupted
+    split is never reused."""
     target = cache_root() / "splits" / checkpoint_key(checkpoint, progress)
     if (target / "llm" / "config.json").exists() and (target / "vision").exists():
         print(f"[serve] split of {checkpoint} found: {target}", flush=True)
+        return target
+    if not make:
+        print(f"[serve] {checkpoint} would be split into {target}", flush=True)
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -170,11 +186,16 @@ def plugin_installed() -> bool:
     return any(ep.name == "sgl_embeds" for ep in entry_points(group="sglang.srt.plugins"))
 
 
+DRY_RUN = "--dry-run"
+
+
 def main(argv: list[str]) -> int:
-    """``serve CHECKPOINT [SGLang flags...]``: print the launch line, then run it (never returns
-    unless it fails before the launch)."""
+    """``serve CHECKPOINT [--dry-run] [SGLang flags...]``: print the launch line, then run it
+    (never returns unless it fails before the launch, or with ``--dry-run``)."""
+    dry_run = DRY_RUN in argv
+    argv = [arg for arg in argv if arg != DRY_RUN]
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m sgl_embeds serve CHECKPOINT [SGLang flags...]\n\n{__doc__}")
+        print(f"usage: python -m sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]\n\n{__doc__}")
         return 0 if argv else 2
     if not plugin_installed():
         print("error: the sgl_embeds plugin is not installed in this environment "
@@ -182,9 +203,93 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        launch = plan(argv[0], argv[1:], progress=sys.stderr.isatty())
+        planned = plan(argv[0], argv[1:], progress=sys.stderr.isatty(), dry_run=dry_run)
     except (ServeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[serve] {launch.family or 'text LLM'}: {launch.command_line()}", flush=True)
-    os.execve(sys.executable, launch.argv, {**os.environ, **launch.env})
+    print(f"[serve] {planned.family or 'text LLM'}: {planned.command_line()}", flush=True)
+    if dry_run:
+        return 0
+    os.execve(sys.executable, planned.argv, {**os.environ, **planned.env})
+
+
+# launch: the first port from SGLang's default up that nothing listens on; how long a start may take
+FIRST_PORT = 30000
+START_TIMEOUT_S = 300.0
+READY_LINE = "fired up and ready to roll"  # SGLang's log line once its warm-up request is done
+
+
+@dataclass
+class Served:
+    """A server ``launch`` started: its ``url``, the ``command`` it runs, its ``log`` file."""
+
+    url: str
+    command: list[str]
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        """SIGTERM to the server (it drains, then stops its children), SIGKILL to what is left of
+        its process group after 30 s."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def launch(checkpoint: str | Path, *flags: str, port: int | None = None,
+           timeout: float = START_TIMEOUT_S) -> Served:
+    """Run ``python -m sgl_embeds serve CHECKPOINT --port PORT FLAGS`` as a child process (for a
+    notebook or a script; in a shell, run the printed command), print that command and then the
+    ``sglang.launch_server`` line serve runs, and return once the server answers. ``port``: the
+    first free one from 30000 by default. ``RuntimeError`` with the end of the server's log if
+    it exits or is not ready within ``timeout`` seconds (then it is stopped)."""
+    port = port or next(p for p in range(FIRST_PORT, FIRST_PORT + 1000) if not _listening(p))
+    command = [sys.executable, "-m", "sgl_embeds", "serve", str(checkpoint), "--host", "127.0.0.1",
+               "--port", str(port), *flags]
+    print(f"$ {shlex.join(command)}", flush=True)
+    fd, name = tempfile.mkstemp(prefix=f"sgl_embeds-serve-{port}-", suffix=".log")
+    with os.fdopen(fd, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    served = Served(f"http://127.0.0.1:{port}", command, process, Path(name))
+    try:
+        _wait_ready(served, timeout)
+    except BaseException:
+        served.stop()
+        raise
+    print(next(line for line in served.log.read_text().splitlines() if line.startswith("[serve]")), flush=True)
+    return served
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_ready(served: Served, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = served.log.read_text(errors="replace")
+        if served.process.poll() is not None:
+            raise RuntimeError(f"the server exited ({served.process.returncode}):\n{log[-3000:]}")
+        try:
+            if READY_LINE in log and requests.get(served.url + "/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s; its log ends:\n"
+                       f"{served.log.read_text(errors='replace')[-3000:]}")

@@ -100,7 +100,8 @@ def llava_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def servers(llava_dirs, pytestconfig, tmp_path_factory):
     """The session's pool of servers by name (``servers.get(*names)``)."""
-    # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here)
+    # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here),
+    # one of each family at least: LLaVA-1.5, -NeXT, -OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5
     served = dict(via_serve=True, env={"SGL_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
@@ -112,10 +113,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "demo": lambda: Server(demo_model_dir()),
         "llava_llama": lambda: Server(llava_dirs("llama")[0], extra_args=["--enable-cache-report"], **served),
         "llava_qwen": lambda: Server(llava_dirs("qwen2")[1] / "llm", extra_args=["--enable-cache-report"]),
-        # the split LLMs of the any-resolution families (Llama and Qwen2 language models)
-        "llava_next": lambda: Server(llava_dirs("llava_next")[1] / "llm", extra_args=["--enable-cache-report"]),
-        "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[1] / "llm",
-                                          extra_args=["--enable-cache-report"]),
+        # the any-resolution families (Llama and Qwen2 language models), split by serve
+        "llava_next": lambda: Server(llava_dirs("llava_next")[0], extra_args=["--enable-cache-report"], **served),
+        "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[0], extra_args=["--enable-cache-report"],
+                                          **served),
         "gateway_worker": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report"], **served),
         # Qwen3-VL with its working tower, served by `sgl_embeds serve`: raw images beside spans
@@ -130,13 +131,14 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "qwen3_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen3_vl_dir()),
                                          extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
         "qwen2_vl_spans": lambda: Server(poisoned_vision_dir(tiny_qwen2_vl_dir()),
-                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS]),
+                                         extra_args=[*QWEN_VL_ARGS, *QWEN_VL_SPANS_ARGS], **served),
         # Qwen3.5 (hybrid: Gated DeltaNet + full attention; tests/vlm/test_qwen3_5.py): NaN vision
         # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks
         # and spans are cut; a small state pool, and a KV pool of 256 positions, so that concurrent
         # requests retract; the conv state in float32 (SGLang's default bfloat16 moved logprobs
         # by up to 4e-3 from HF's)
-        "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
+        "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), via_serve=True,
+                                  env={**served["env"], "SGLANG_MAMBA_CONV_DTYPE": "float32"},
                                   extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
         # Qwen3.5-MoE (its LLM's MLPs mixtures of experts), likewise: one parity test
         "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),

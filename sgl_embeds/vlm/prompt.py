@@ -9,14 +9,21 @@ rows where HF puts its expanded image tokens (``tests/vlm/test_llava15_parity.py
 ``render_chat`` renders messages with the checkpoint's own chat template (saved by ``split`` as
 ``DST/vision/chat_template.jinja``); ``image_prompt`` turns such a text into a program expression
 with ``sgl.image`` (or any given expression, e.g. ``sgl.region(box)``) at each image token.
+
+``model_chat_template`` reads the same template as SGLang's ``ChatTemplate`` (a fixed prefix and
+suffix per role, what an image part writes around the image token), so that ``sgl.user`` /
+``sgl.assistant`` and ``sgl_embeds.image_part`` write the model's own chat in a program
+(``sgl_embeds.connect`` gives its endpoint this template).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import sglang as sgl
+from sglang.lang.chat_template import ChatTemplate
 from sglang.lang.ir import SglExpr
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -51,3 +58,76 @@ def image_prompt(text: str, images: Sequence[Any], image_token: str = "<image>")
     if isinstance(expr, str):
         raise ValueError("image_prompt needs at least one image")
     return expr
+
+
+@dataclass
+class ModelChatTemplate(ChatTemplate):
+    """SGLang's ``ChatTemplate`` read from a checkpoint's own (``model_chat_template``), with what
+    an image part writes before and after the image's rows (``image_part``)."""
+
+    image_part: tuple[str, str] = ("", "")
+
+
+# What the roles' contents are rendered with to find where the template puts them (no whitespace,
+# no markup: a template that trims or escapes contents leaves them as they are)
+_USER, _OTHER_USER, _ASSISTANT, _SYSTEM = "SGLEMBEDSUSERA", "SGLEMBEDSUSERB", "SGLEMBEDSREPLY", "SGLEMBEDSSYSTEM"
+
+
+def model_chat_template(vision_dir: str | Path, image_token: str) -> ModelChatTemplate:
+    """The chat template of ``vision_dir`` (``render_chat``'s) as SGLang's: each role's prefix and
+    suffix, the default system prompt, the assistant's prefix being the generation prompt (so a
+    program's ``sgl.assistant(sgl.gen(...))`` asks exactly what HF's processor asks), and the text
+    an image part writes on each side of ``image_token``. ``ValueError`` for a template whose
+    roles are not a fixed prefix and suffix each (write the prompt with ``render_chat`` then)."""
+
+    def render(messages: list[dict], generation_prompt: bool = False) -> str:
+        return render_chat(vision_dir, messages, generation_prompt)
+
+    def turn(role: str, text: str, image: bool = False) -> dict:  # contents as parts: HF's form
+        return {"role": role, "content": [{"type": "image"}] * image + [{"type": "text", "text": text}]}
+
+    def user(text: str) -> dict:
+        return turn("user", text)
+
+    def between(text: str, before: str, after: str | None = None) -> str:
+        start = text.index(before) + len(before) if before else 0
+        return text[start:text.index(after, start)] if after else text[start:]
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"the chat template of {vision_dir} is not a fixed prefix and suffix per "
+                          f"role ({what}): write the prompt with render_chat and image_prompt")
+
+    try:
+        one = render([user(_USER)])
+        two = render([user(_USER), user(_OTHER_USER)])
+        user_suffix = between(two, _OTHER_USER)
+        user_prefix = between(two, _USER, _OTHER_USER).removeprefix(user_suffix)
+        opening = between(two, "", _USER).removesuffix(user_prefix)  # the default system turn
+        if one != opening + user_prefix + _USER + user_suffix:
+            raise fail("a user turn")
+        generation_prompt = render([user(_USER)], True).removeprefix(one)
+        assistant_suffix = between(render([user(_USER), turn("assistant", _ASSISTANT)]),
+                                   _ASSISTANT)
+        with_system = render([turn("system", _SYSTEM), user(_USER)])
+        system_prefix = between(with_system, "", _SYSTEM)
+        system_suffix = between(with_system, _SYSTEM, _USER).removesuffix(user_prefix)
+        default_system = None
+        if opening:
+            if not (opening.startswith(system_prefix) and opening.endswith(system_suffix)):
+                raise fail("the default system turn")
+            default_system = opening[len(system_prefix):len(opening) - len(system_suffix)]
+        image = between(render([turn("user", _USER, image=True)]), user_prefix, _USER)
+    except ValueError as e:
+        if "not a fixed prefix" in str(e):
+            raise
+        raise fail(f"a content not found where it must be: {e}") from None
+    except Exception as e:  # the template's own error on one of these conversations
+        raise fail(f"{type(e).__name__}: {e}") from None
+    if image.count(image_token) != 1:
+        raise fail(f"an image part renders {image!r}, not one {image_token!r}")
+    before, after = image.split(image_token)
+    return ModelChatTemplate(
+        name=f"sgl_embeds:{vision_dir}", default_system_prompt=default_system,
+        role_prefix_and_suffix={"system": (system_prefix, system_suffix), "user": (user_prefix, user_suffix),
+                                "assistant": (generation_prompt, assistant_suffix)},
+        stop_str=(), image_token=image, image_part=(before, after))

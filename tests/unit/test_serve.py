@@ -1,20 +1,24 @@
 """``python -m sgl_embeds serve``'s plan for each family (no server: ``serve.plan`` builds the launch
 and ``main`` stops before running it): the split of a LLaVA checkpoint made once, in a folder
 keyed by its content; a Qwen-VL one served natively with the multimodal flags; a text LLM as it is;
-any other family a one-line error naming the families served."""
+any other family a one-line error naming the families served. ``--dry-run`` prints every
+family's launch line and makes nothing (no split, no server)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from sgl_embeds import serve
+from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.testing.models import tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.qwen_vl import tiny_qwen2_5_vl_dir
+from sgl_embeds.testing.qwen_vl import tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_vl_dir
 from sgl_embeds_srt import family
 
 
@@ -78,3 +82,43 @@ def test_an_unknown_or_refused_family_is_one_line_naming_the_served(tmp_path, mo
     assert len(error) == 1 and f"model_type {model_type!r}" in error[0] and why in error[0]
     assert "LLaVA-1.5" in error[0] and "Qwen2.5-VL" in error[0] and "text LLMs" in error[0]
     assert "sglang.launch_server" not in done.stdout
+
+
+# Every family's tiny checkpoint -> (the family serve names, served natively)
+EACH_FAMILY = {
+    "llava": (lambda: tiny_llava_dir("llama"), "llava", False),
+    "llava_next": (tiny_llava_next_dir, "llava_next", False),
+    "llava_onevision": (tiny_llava_onevision_dir, "llava_onevision", False),
+    "qwen2_vl": (tiny_qwen2_vl_dir, "qwen2_vl", True),
+    "qwen2_5_vl": (tiny_qwen2_5_vl_dir, "qwen2_5_vl", True),
+    "qwen3_vl": (tiny_qwen3_vl_dir, "qwen3_vl", True),
+    "qwen3_5": (tiny_qwen3_5_dir, "qwen3_5", True),
+    "text": (lambda: tiny_model_dir("llama"), "text LLM", False),
+}
+
+
+@pytest.mark.parametrize("name", list(EACH_FAMILY))
+def test_dry_run_prints_each_familys_launch_line_and_makes_nothing(name, split_cache, capsys):
+    checkpoint, family_name, native = EACH_FAMILY[name]
+    assert serve.main([str(checkpoint()), "--dry-run", "--port", "1234"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = next(line for line in out if line.startswith(f"[serve] {family_name}: "))
+    argv = shlex.split(line.split(": ", 1)[1])
+    model = Path(argv[argv.index("--model-path") + 1])
+    assert argv[argv.index("-m") + 1] == "sglang.launch_server" and argv[-2:] == ["--port", "1234"]
+    assert ("--enable-multimodal" in argv) == native
+    if family_name in family.SPLIT_FAMILIES:  # the split's folder named, not made
+        assert model.parent.parent == split_cache and model.name == "llm"
+        assert f"would be split into {model.parent}" in "\n".join(out) and not split_cache.exists()
+    else:
+        assert model == checkpoint()
+
+
+
+def test_launch_prints_the_command_and_says_why_a_server_did_not_start(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
+    with pytest.raises(RuntimeError, match=r"(?s)the server exited \(2\):.*\nerror: .*model_type 'mllama'"):
+        serve.launch(tmp_path, "--log-level", "error", timeout=120)
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"$ {sys.executable} -m sgl_embeds serve {tmp_path} --host 127.0.0.1 --port ")
+    assert printed.rstrip().endswith("--log-level error")

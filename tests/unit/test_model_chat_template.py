@@ -1,0 +1,68 @@
+"""``vlm.model_chat_template``: a checkpoint's chat template read as SGLang's (a prefix and suffix per
+role, the default system prompt, the image part), the prompt a program then writes equal to the
+template's own rendering; a template whose roles are not a fixed prefix and suffix refused."""
+
+from __future__ import annotations
+
+import pytest
+import sglang as sgl
+
+import sgl_embeds
+from sgl_embeds.vlm import render_chat
+from sgl_embeds.vlm.prompt import model_chat_template
+from sgl_embeds_srt import segments as seg
+
+# Qwen2-VL's form: a default system turn when none is given, an image as its vision tokens
+WITH_DEFAULT_SYSTEM = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# a turn unlike the others (the first, the last): no fixed prefix and suffix
+FIRST_TURN_SPECIAL = ("{% for m in messages %}{% if loop.first %}[first] {% endif %}{{ m['role'] }}: "
+                      "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}<end>{% endfor %}")
+LAST_TURN_SPECIAL = ("{% for m in messages %}{{ m['role'] }}: {% for part in m['content'] %}{{ part['text'] }}"
+                     "{% endfor %}{% if loop.last %} [last]{% endif %}<end>{% endfor %}")
+
+
+def _checkpoint(tmp_path, template: str):
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return tmp_path
+
+
+def test_a_program_writes_what_the_template_renders(tmp_path):
+    folder = _checkpoint(tmp_path, WITH_DEFAULT_SYSTEM)
+    template = model_chat_template(folder, "<|image_pad|>")
+    assert template.default_system_prompt == "You are a helpful assistant."
+    assert template.image_part == ("<|vision_start|>", "<|vision_end|>")
+
+    class Like:  # compile_program takes a backend's chat template and vision encoder
+        chat_template, vision_encoder = template, None
+
+    @sgl.function
+    def two_turns(s, rows):
+        s += sgl.user(sgl_embeds.image_part(rows) + "what is it")
+        s += sgl.assistant(sgl.gen("a", max_tokens=2))
+        s += sgl.user("and its color")
+        s += sgl.assistant(sgl.gen("b", max_tokens=2))
+
+    calls = sgl_embeds.compile_program(two_turns, like=Like(), rows=[[0.0] * 4])
+    texts = ["".join(s.text if isinstance(s, seg.Text) else "<|image_pad|>" for s in call) for call in calls]
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]
+    assert texts[0] == render_chat(folder, first)
+    then = first + [{"role": "assistant", "content": [{"type": "text", "text": ""}]},
+                    {"role": "user", "content": [{"type": "text", "text": "and its color"}]}]
+    assert texts[1] == render_chat(folder, then)
+
+
+@pytest.mark.parametrize("template, where", [(FIRST_TURN_SPECIAL, "the default system turn"),
+                                             (LAST_TURN_SPECIAL, "a user turn")])
+def test_a_template_without_a_fixed_prefix_per_role_is_refused(tmp_path, template, where):
+    with pytest.raises(ValueError, match=f"not a fixed prefix and suffix per role \\({where}\\)"):
+        model_chat_template(_checkpoint(tmp_path, template), "<image>")
+
+
+def test_a_template_without_one_image_token_per_image_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="an image part renders"):
+        model_chat_template(_checkpoint(tmp_path, WITH_DEFAULT_SYSTEM), "<image>")

@@ -1,0 +1,189 @@
+"""Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5 and Qwen2.5-VL
+launched by ``python -m sgl_embeds serve`` and the split LLaVA-NeXT's LLM (pool servers
+``llava_llama``, ``qwen_vl``, ``llava_next``), through ``sgl_embeds.connect(url)``. For each, one
+of its calls is sent again with logprobs and its answer is the program's; the call's prompt is the
+one HF's processor renders for the same conversation (the model's own chat template and image
+text, written by ``connect``'s template and ``image_part``); and its tokens and logprobs equal
+HF's own VLM class on the pixels (greedy, float32), or for ``classify``'s ``select`` each label's
+score does, HF's reference changing with the image."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import helpers
+import sgl_embeds
+from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
+from sgl_embeds.testing import reference as ref
+from sgl_embeds.testing.llava_next import tiny_llava_next_dir
+from sgl_embeds.testing.models import tiny_llava_dir
+from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
+from sgl_embeds.vision import crop, encode_region
+from sgl_embeds.vlm import render_chat
+from sgl_embeds_srt import segments as seg
+
+MAX_TOKENS = 8
+MIN_COMPARED = 6
+IMAGE, OTHER_IMAGE, THIRD_IMAGE = (helpers.random_image(96, 80, seed=3), helpers.random_image(80, 96, seed=4),
+                                   helpers.random_image(64, 64, seed=5))
+BOX = (0.0, 0.25, 0.75, 1.0)
+LABELS = ["red", "blue", "green"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A served family: its pool server, its HF checkpoint and HF's greedy, inputs and model."""
+
+    server: str
+    checkpoint: Callable
+    greedy: Callable  # (checkpoint, text, images, max_new_tokens, prefix=()) -> ref.Greedy
+    inputs: Callable  # (checkpoint, text, images) -> the processor's tensors
+    model: Callable  # checkpoint (str) -> HF's model
+
+
+LLAVA = dict(greedy=ref.llava_greedy, inputs=ref.llava_inputs, model=lambda c: ref.hf_llava(c)[0])
+FAMILIES = {
+    "llava": Family("llava_llama", lambda: tiny_llava_dir("llama"), **LLAVA),
+    "llava_next": Family("llava_next", tiny_llava_next_dir, **LLAVA),
+    "qwen2_5_vl": Family("qwen_vl", tiny_qwen2_5_vl_dir, qwen_vl_greedy, qwen_vl_inputs,
+                         lambda c: hf_qwen_vl(c)[0]),
+}
+
+
+def user(*parts) -> dict:
+    """A user turn of HF's form: ``"<image>"`` for an image part, other strings for text."""
+    return {"role": "user", "content": [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+                                        for p in parts]}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A program's run, the call compared with HF (``pick``: the index of its segment list in
+    ``compile_program``'s, from the lists), where its answer is in the state, the conversation
+    HF renders for that call, and the images HF sees for it (and for another image)."""
+
+    program: object
+    arguments: dict
+    pick: Callable  # (calls, encoder) -> index
+    answer: Callable  # state -> the text of the picked call
+    messages: list
+    images: Callable  # image -> the images HF sees, in the prompt's order
+    after: str = ""  # text after the generation prompt (select's prefix)
+
+
+def _first(calls, encoder) -> int:
+    return 0
+
+
+def _asking(words: str) -> Callable:
+    return lambda calls, encoder: next(i for i, call in enumerate(calls[:-1]) if words in call[-1].text)
+
+
+def _region_branch(calls, encoder) -> int:
+    rows = encode_region(IMAGE, BOX, encoder).rows
+    return next(i for i, call in enumerate(calls[:-1])
+                if len(spans := [s for s in call if isinstance(s, seg.Span)]) == 2 and spans[1].rows.equal(rows))
+
+
+QUESTION = "what is in the picture"
+CASES = {
+    "vqa": Case(visual_qa, dict(image=IMAGE, question=QUESTION, max_tokens=MAX_TOKENS), _first,
+                lambda s: s["answer"], [user("<image>", QUESTION)], lambda image: [image]),
+    "compare": Case(compare_images, dict(images=[IMAGE, THIRD_IMAGE], question="which is brighter",
+                                         max_tokens=MAX_TOKENS), _first, lambda s: s["comparison"],
+                    [user("Image 1: ", "<image>", "Image 2: ", "<image>", "which is brighter")],
+                    lambda image: [image, THIRD_IMAGE]),
+    "grounded_chat": Case(grounded_chat, dict(image=IMAGE, turns=[QUESTION, "and its color"],
+                                              max_tokens=MAX_TOKENS), _first, lambda s: s["replies"][0],
+                          [user("<image>", QUESTION)], lambda image: [image]),
+    "attributes": Case(extract_attributes, dict(image=IMAGE, attributes=["color", "size"], max_tokens=MAX_TOKENS),
+                       _asking("What is its color?"), lambda s: s["attributes"]["color"],
+                       [user("<image>", "Look at the object."), user("What is its color? Answer in a few words.")],
+                       lambda image: [image]),
+    "region_caption": Case(caption_regions, dict(image=IMAGE, boxes=[BOX, (0.5, 0.0, 1.0, 0.5)],
+                                                 max_tokens=MAX_TOKENS), _region_branch,
+                           lambda s: s["captions"][0],
+                           [user("<image>", "The image."), user("<image>", "Describe this region.")],
+                           lambda image: [image, crop(image, BOX)]),
+    "classify": Case(classify, dict(image=IMAGE, labels=LABELS), _first, lambda s: s["label"],
+                     [user("<image>", "Which category fits the image best?")], lambda image: [image],
+                     after="The category is "),
+}
+
+
+@pytest.fixture(scope="module")
+def connected(servers):
+    """``connected(family)``: ``sgl_embeds.connect`` to the family's pool server (made once)."""
+    made = {}
+
+    def backend(family: str):
+        if family not in made:
+            made[family] = sgl_embeds.connect(servers.get(FAMILIES[family].server)[0].url, device="cpu")
+        return made[family]
+
+    return backend
+
+
+def _text(call: list, image_token: str) -> str:
+    """The prompt text of a call's segments with the family's image token for each span."""
+    return "".join(s.text if isinstance(s, seg.Text) else image_token for s in call)
+
+
+def hf_select_scores(family: Family, text: str, images: list, choices: list[str]) -> list[float]:
+    """HF's ``select`` score of each choice after ``text`` on the images, as
+    ``helpers.hf_select_scores`` computes it for a text LLM (the text's trailing space belongs to
+    the choice's first token)."""
+    checkpoint = str(family.checkpoint())
+    model = family.model(checkpoint)
+    n_prompt = family.inputs(checkpoint, text.rstrip(" "), images)["input_ids"].shape[1]
+    scores = []
+    for choice in choices:
+        inputs = family.inputs(checkpoint, text + choice, images)
+        ids = inputs["input_ids"][0].tolist()
+        with torch.no_grad():
+            logp = model(**inputs).logits[0].double().log_softmax(-1)
+        lps = [float(logp[p - 1, ids[p]]) for p in range(n_prompt, len(ids))]
+        scores.append(sum(lps) / len(lps))
+    return scores
+
+
+@pytest.mark.parametrize("name", list(CASES))  # (family by family: its server stays up for its cases)
+@pytest.mark.parametrize("family", helpers.pooled(FAMILIES, lambda f: FAMILIES[f].server))
+def test_each_program_on_each_family_writes_the_models_prompt_and_answers_like_hf(name, family, connected):
+    case, fam = CASES[name], FAMILIES[family]
+    backend = connected(family)
+    encoder = backend.vision_encoder
+    state = case.program.run(**case.arguments, backend=backend)
+    calls = sgl_embeds.compile_program(case.program, like=backend, **case.arguments)
+    call = calls[case.pick(calls, encoder)]
+    text = _text(call, encoder.image_token)
+    vision_dir = backend.server_info["model"]["vision_dir"]
+    if backend.server_info["model"]["served_as"] == "split":
+        assert "serve-cache" in vision_dir  # split by `sgl_embeds serve` (conftest.py), not by the tests
+    assert text == render_chat(vision_dir, case.messages) + case.after, f"{name} on {family}: {text!r}"
+    checkpoint = fam.checkpoint()
+    label = f"{name} on {family}: "
+    if case.program is classify:
+        hf = hf_select_scores(fam, text, case.images(IMAGE), LABELS)
+        ours = helpers.assert_select_scores(state, "label", hf, label)
+        assert state["label"] == LABELS[hf.index(max(hf))]
+        other = hf_select_scores(fam, text, case.images(OTHER_IMAGE), LABELS)
+        assert max(abs(a - b) for a, b in zip(hf, other)) > 100 * ref.LOGPROB_TOL, (hf, other)
+        print(f"{label}scores {ours} equal HF's {hf}")
+        return
+    out = backend.run(input_segments=call, return_logprob=True, top_logprobs_num=ref.TOP_K,
+                      sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+    assert case.answer(state) == out["text"], label
+    model = fam.model(str(checkpoint))
+    greedy = functools.partial(fam.greedy, checkpoint, text, case.images(IMAGE), MAX_TOKENS)
+    reference = ref.assert_vlm_matches_hf(out, greedy, ref.eos_ids(model), label, MIN_COMPARED, min_distinct=2)
+    other = fam.greedy(checkpoint, text, case.images(OTHER_IMAGE), MAX_TOKENS)
+    assert other.tokens != reference.tokens, f"{label}HF's answer does not change with the image"
+    if case.program is grounded_chat:  # the second turn reuses the image and the first turn
+        rows = sum(s.rows.shape[0] for s in call if isinstance(s, seg.Span))
+        assert state["cached"][1] >= rows, (state["cached"], rows)
