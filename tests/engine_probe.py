@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -54,15 +55,16 @@ def main(model_dir: str) -> dict:
     return out
 
 
-# the clip main_qwen_vl sends: sample_clip(frames, width, height, seed=...) at fps; at 4 fps a
-# step is 0.5 s, not the 1 s SGLang assumes without the field (so dropping it changes the answer)
-CLIP = (4, 224, 56, 1, 4.0)
+# the clip main_qwen_vl sends, by family: sample_clip(frames, width, height, seed=...) at fps
+# (the sizes and seeds of qwen_vl_harness.CLIP_FAMILIES); at 4 fps a step is 0.5 s, not the 1 s
+# SGLang assumes without the field (so dropping it changes the answer)
+CLIPS = {"qwen2_5_vl": (4, 224, 56, 1, 4.0), "qwen3_vl": (4, 128, 64, 1, 4.0), "qwen2_vl": (4, 224, 56, 7, 4.0)}
 
 
 def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
-    """Image spans and a clip's (rows with their grid, as tensors) on a Qwen2.5-VL engine over
+    """Image spans and a clip's (rows with their grid, as tensors) on a Qwen-VL engine over
     ``model_dir``; the rows come from HF's vision module on ``rows_dir``'s weights (the clip:
-    ``CLIP`` of ``sample_clip``)."""
+    the family's ``CLIPS`` of ``sample_clip``)."""
     from sgl_embeds.testing.qwen_vl import (  # HF's model: only this probe needs it
         IMAGE_PLACEHOLDER, VISION_END, VISION_START, clip_rows, image_rows, sample_clip, sample_images)
 
@@ -74,7 +76,8 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
         before, after = sys.argv[3].split(IMAGE_PLACEHOLDER)
         spans = {name: image_rows(rows_dir, sample_images()[name]) for name in ("stripes", "disc")}
         spans = {name: (rows, {"image_grid_thw": list(grid)}) for name, (rows, grid) in spans.items()}
-        spans["clip"] = clip_rows(rows_dir, sample_clip(*CLIP[:3], seed=CLIP[3]), CLIP[4])
+        frames, width, height, seed, fps = CLIPS[json.loads((Path(rows_dir) / "config.json").read_text())["model_type"]]
+        spans["clip"] = clip_rows(rows_dir, sample_clip(frames, width, height, seed=seed), fps)
         for name, (rows, grid) in spans.items():
             segments = [{"type": "text", "text": before + VISION_START}, {"type": "embeds", "embeds": rows, **grid},
                         {"type": "text", "text": VISION_END + after}]

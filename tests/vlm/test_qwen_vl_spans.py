@@ -40,6 +40,9 @@ from sgl_embeds.testing.qwen_vl import (
     qwen_vl_inputs,
     sample_clip,
     sample_images,
+    tiny_qwen2_5_vl_dir,
+    tiny_qwen2_vl_dir,
+    tiny_qwen3_vl_dir,
 )
 from sgl_embeds.testing.server import Gateway
 from sgl_embeds_srt import keys, wire
@@ -250,28 +253,33 @@ def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server
     assert res.status_code == 400 and "wrote the pad tokens of [image, image]" in res.json()["message"], res.text
 
 
-def test_the_engine_serves_image_spans_as_tensors(qwen_vl_dir, servers):
+ENGINE_FAMILIES = {"qwen2_5_vl": tiny_qwen2_5_vl_dir, "qwen3_vl": tiny_qwen3_vl_dir, "qwen2_vl": tiny_qwen2_vl_dir}
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_the_engine_serves_image_spans_as_tensors(family, servers):
     """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor
-    (two images, a clip), on an engine whose vision weights are NaN (a child process:
-    ``tests/engine_probe.py``): HF's tokens and logprobs, a repeat cached, a bad grid a
-    ``ValueError``."""
+    (two images, a clip), on an engine of each Qwen-VL family whose vision weights are NaN (a
+    child process: ``tests/engine_probe.py``): HF's tokens and logprobs, a repeat cached, a bad
+    grid a ``ValueError``."""
+    checkpoint = ENGINE_FAMILIES[family]()
     servers.make_room(1)  # the child's engine
-    text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
+    text = chat_text(checkpoint, "what is the color of the object", 1)
     script = Path(__file__).parents[1] / "engine_probe.py"
-    done = subprocess.run([sys.executable, str(script), str(poisoned_vision_dir(qwen_vl_dir)), str(qwen_vl_dir), text],
+    done = subprocess.run([sys.executable, str(script), str(poisoned_vision_dir(checkpoint)), str(checkpoint), text],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
-    frames, width, height, seed, fps = engine_probe.CLIP
+    frames, width, height, seed, fps = engine_probe.CLIPS[family]
     clip = (sample_clip(frames, width, height, seed=seed), fps)
     for name in ("stripes", "disc", "clip"):
         res = probe[name]
         out = {"output_ids": res["ids"], "meta_info": res["meta_info"]}
         if name == "clip":
-            assert_matches_hf(out, qwen_vl_dir, text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER), [], "engine, a clip",
-                              clips=[clip])
+            assert_matches_hf(out, checkpoint, text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER), [],
+                              f"{family} engine, a clip", clips=[clip])
         else:
-            assert_matches_hf(out, qwen_vl_dir, text, [sample_images()[name]], f"engine, {name}")
+            assert_matches_hf(out, checkpoint, text, [sample_images()[name]], f"{family} engine, {name}")
         assert res["again_ids"] == res["ids"] and res["cached"] == res["prompt"] - 1
     assert probe["stripes"]["ids"] != probe["disc"]["ids"]
     assert "makes t*h*w/merge**2 = 1 rows" in probe["bad_grid"], probe["bad_grid"]
