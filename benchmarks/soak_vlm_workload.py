@@ -11,8 +11,14 @@ records the server's resident memory (its scheduler and detokenizer included), t
 server's span store and the rows it holds for the scheduler (``/sgl_embeds/info``), and the
 client caches' sizes. Errors are counted per episode, not raised.
 
+Every store on the way is bounded: the server's span store and the rows it holds for the scheduler
+(``SGL_EMBEDS_HANDLE_BYTES``, each), the client's ``EncoderCache`` (``max_bytes``), SGLang's KV
+pool. Memory is flat only once they are full, so ``--server-cache-mib`` and
+``--client-cache-mib`` set budgets small enough to fill during the warm-up (the defaults, 1 GiB
+and 256 MiB, take longer than ten minutes of this workload to fill).
+
     python benchmarks/soak_vlm_workload.py [--minutes 10] [--users 4] [--turns 3] [--reuse 0.5]
-        [--image-side 448] [--warmup-minutes 2]
+        [--image-side 448] [--warmup-minutes 2] [--server-cache-mib 64] [--client-cache-mib 32]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from transformers import AutoTokenizer
 
 from common import RESULTS, make_server, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
+from sgl_embeds.vision import EncoderCache
 from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, rss, run_episode
 from sgl_embeds.vlm import QwenVLEncoder
 
@@ -50,8 +57,10 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = bench_qwen2_5_vl_dir()
     encoder = QwenVLEncoder(model_dir, device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    server = make_server(model_dir, plugin=True, extra=MM_ARGS).start()
-    clients = {arm: ArmClient(arm, server.url, encoder, tokenizer, args.image_side, args.answer_tokens)
+    server = make_server(model_dir, plugin=True, extra=MM_ARGS,
+                         env={"SGL_EMBEDS_HANDLE_BYTES": str(args.server_cache_mib << 20)}).start()
+    clients = {arm: ArmClient(arm, server.url, encoder, tokenizer, args.image_side, args.answer_tokens,
+                              cache=EncoderCache(args.client_cache_mib << 20))
                for arm in OURS}
     episodes, samples = [], []
     try:
@@ -99,7 +108,8 @@ def report(results: dict, v: dict, args: argparse.Namespace) -> str:
     text = f"Measured: {provenance()}\n"
     text += (f"\n{args.minutes} minutes, {args.users} concurrent users, {args.turns} turns each, "
              f"reuse {args.reuse:.0%}, {args.image_side}x{args.image_side} images, arms {' / '.join(OURS)} "
-             f"alternating: {v['episodes']} episodes, {v['turns']} turns, **{v['errors']} errors**.\n")
+             f"alternating, server span budgets {args.server_cache_mib} MiB, client encoder caches "
+             f"{args.client_cache_mib} MiB: {v['episodes']} episodes, {v['turns']} turns, **{v['errors']} errors**.\n")
     text += table(f"Resident memory after a {v['warmup_s']:.0f} s warm-up (MiB)",
                   ["process", "first after warm-up", "peak after warm-up", "last", "last vs first"], rows)
     text += (f"\nAt the end: span store {last['span_store']}, rows held for the scheduler "
@@ -137,6 +147,8 @@ def main() -> None:
     ap.add_argument("--reuse", type=float, default=0.5)
     ap.add_argument("--image-side", type=int, default=448)
     ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--server-cache-mib", type=int, default=64, help="SGL_EMBEDS_HANDLE_BYTES, in MiB")
+    ap.add_argument("--client-cache-mib", type=int, default=32, help="each client's EncoderCache, in MiB")
     args = ap.parse_args()
     results = run(args)
     v = verdict(results, args.warmup_minutes * 60)
