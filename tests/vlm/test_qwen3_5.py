@@ -225,8 +225,8 @@ def test_after_a_hit_the_answer_is_the_one_without(server, checkpoint, n_images)
 def test_a_span_by_endpoint_in_a_binary_body_then_by_handle_is_cached_through_it(server, checkpoint):
     """``EmbedsEndpoint.run`` sends an image span's rows once, in a binary body, and the server
     holds them; the repeat names the span by its handle (a body without its rows), hits the prefix
-    cache through the span (the recurrent state after it restored) and answers as the first did,
-    which is HF's on the pixels."""
+    cache through the span (the recurrent state after it restored), as far as a raw image's repeat
+    does, and answers as the first did, which is HF's on the pixels."""
     backend = EmbedsEndpoint(server.url)
     posted = []  # (binary, body bytes) of each /generate post
 
@@ -254,6 +254,9 @@ def test_a_span_by_endpoint_in_a_binary_body_then_by_handle_is_cached_through_it
           f"cached, the span's rows end at {span_end}; bodies {[size for _, size in posted]} bytes")
     assert cold["meta_info"]["cached_tokens"] == 0 and warm["meta_info"]["cached_tokens"] >= span_end, (
         cold["meta_info"], warm["meta_info"])
+    # what a repeat with the raw image gets: the last prefill chunk end before the prompt's last
+    # position (SGLang's no_buffer rule; measured both ways, docs/architecture.md)
+    assert warm["meta_info"]["cached_tokens"] == CHUNK * ((warm["meta_info"]["prompt_tokens"] - 1) // CHUNK)
     for label, out in (("inline, binary body", cold), ("by handle, after a hit", warm)):
         assert_matches_hf(out, checkpoint, text, [image], label)
     assert warm["output_ids"] == cold["output_ids"]
