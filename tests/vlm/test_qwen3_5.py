@@ -238,7 +238,7 @@ def test_a_span_by_endpoint_in_a_binary_body_then_by_handle_is_cached_through_it
     backend.sender.post = recording_post
     text = chat_text(checkpoint, "what is the shape in the picture", 1)
     before, after = text.split(IMAGE_PLACEHOLDER)
-    image = sample_images()["disc"]
+    image = sample_images()["checks"]  # no other test has a server hold it (the store's count below)
     rows, grid = image_rows(checkpoint, image)
     segments = [Text(before + VISION_START), Span(rows, grid=Grid(grid)), Text(VISION_END + after)]
     held = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["span_store"]["count"]
