@@ -29,13 +29,18 @@ import pytest
 import requests
 
 import helpers
+from sgl_embeds import EmbedsEndpoint
+from sgl_embeds_srt import binary_body
+from sgl_embeds_srt.segments import Grid, Span, Text
 from qwen_vl_harness import (BOX, MIN_COMPARED, MAX_TOKENS, ask, assert_matches_hf, assert_regions_match_hf, chat_text,
                              clip_span, grid_span, span_segments)
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
+    VISION_END,
     VISION_START,
     hf_qwen_vl,
+    image_rows,
     qwen_vl_greedy,
     qwen_vl_inputs,
     sample_clip,
@@ -215,6 +220,46 @@ def test_after_a_hit_the_answer_is_the_one_without(server, checkpoint, n_images)
     worst = max(abs(a - b) for a, b in zip(_numbers(warm), _numbers(cold)))
     assert worst <= ref.LOGPROB_TOL, f"a hit moved the logprobs by {worst:.2e}"
     assert_matches_hf(warm, checkpoint, text, images, f"{n_images} image(s) after a hit")
+
+
+def test_a_span_by_endpoint_in_a_binary_body_then_by_handle_is_cached_through_it(server, checkpoint):
+    """``EmbedsEndpoint.run`` sends an image span's rows once, in a binary body, and the server
+    holds them; the repeat names the span by its handle (a body without its rows), hits the prefix
+    cache through the span (the recurrent state after it restored), as far as a raw image's repeat
+    does, and answers as the first did, which is HF's on the pixels."""
+    backend = EmbedsEndpoint(server.url)
+    posted = []  # (binary, body bytes) of each /generate post
+
+    def recording_post(body: dict, binary: bool, post=backend.sender.post):
+        size = sum(memoryview(p).nbytes for p in binary_body.encode_parts(body)) if binary else None
+        posted.append((binary, size))
+        return post(body, binary)
+
+    backend.sender.post = recording_post
+    text = chat_text(checkpoint, "what is the shape in the picture", 1)
+    before, after = text.split(IMAGE_PLACEHOLDER)
+    image = sample_images()["checks"]  # no other test has a server hold it (the store's count below)
+    rows, grid = image_rows(checkpoint, image)
+    segments = [Text(before + VISION_START), Span(rows, grid=Grid(grid)), Text(VISION_END + after)]
+    held = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["span_store"]["count"]
+    _flush(server)
+    cold, warm = (backend.run(input_segments=segments, **helpers.OUTPUT_LOGPROBS,
+                              sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}) for _ in range(2))
+    rows_bytes = rows.numel() * rows.element_size()
+    assert [binary for binary, _ in posted] == [True, True], posted
+    assert posted[0][1] - posted[1][1] >= rows_bytes, f"the rows must cross once: {posted}, {rows_bytes} bytes"
+    assert requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["span_store"]["count"] == held + 1
+    span_end = _span_start(checkpoint, text) + rows.shape[0]
+    print(f"by handle: {warm['meta_info']['cached_tokens']} of {warm['meta_info']['prompt_tokens']} positions "
+          f"cached, the span's rows end at {span_end}; bodies {[size for _, size in posted]} bytes")
+    assert cold["meta_info"]["cached_tokens"] == 0 and warm["meta_info"]["cached_tokens"] >= span_end, (
+        cold["meta_info"], warm["meta_info"])
+    # what a repeat with the raw image gets: the last prefill chunk end before the prompt's last
+    # position (SGLang's no_buffer rule; measured both ways, docs/architecture.md)
+    assert warm["meta_info"]["cached_tokens"] == CHUNK * ((warm["meta_info"]["prompt_tokens"] - 1) // CHUNK)
+    for label, out in (("inline, binary body", cold), ("by handle, after a hit", warm)):
+        assert_matches_hf(out, checkpoint, text, [image], label)
+    assert warm["output_ids"] == cold["output_ids"]
 
 
 def test_retraction_leaves_the_answers_as_they_were(server, checkpoint):
