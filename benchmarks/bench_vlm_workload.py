@@ -34,10 +34,11 @@ from transformers import AutoTokenizer
 from common import RESULTS, make_server, pct, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.testing.server import start_all, stop_all
-from sgl_embeds.testing.workload import ARMS, ArmClient, plan_record, plan_turns, run_episode
+from sgl_embeds.testing.workload import (ARMS, ArmClient, plan_record, plan_turns, run_episode,
+                                         server_stage_totals, turn_stages)
 from sgl_embeds.vlm import QwenVLEncoder
 
-MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
+MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report", "--enable-metrics"]
 STOCK = ARMS[0]
 
 
@@ -68,7 +69,10 @@ def run(args: argparse.Namespace) -> dict:
                     requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
                 client = ArmClient(arm, served[arm].url, encoder, tokenizer, args.image_side,
                                    args.answer_tokens)
+                before = server_stage_totals([served[arm].url])
                 out["arms"][arm] = run_episode(client, plan, [served[arm].proc.pid])
+                out["arms"][arm]["stages_s"] = turn_stages(out["arms"][arm], before,
+                                                           server_stage_totals([served[arm].url]))
                 print(f"users {users} reuse {reuse:.0%} {arm}: "
                       f"{out['arms'][arm]['requests_per_s']:.2f} req/s", flush=True)
             results["settings"].append(out)
@@ -96,6 +100,11 @@ def report(results: dict, args: argparse.Namespace) -> str:
                                f"{a['requests_per_s'] / base['requests_per_s']:.2f}x",
                                f"{pct(a['ttft_s'], .5) / pct(base['ttft_s'], .5):.2f}x",
                                f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f}"])
+    stage_names = list(results["settings"][0]["arms"][STOCK]["stages_s"])
+    stages = [[s["users"], f"{s['reuse']:.0%}", arm,
+               *(f"{s['arms'][arm]['stages_s'][k] * 1e3:.0f}" for k in stage_names),
+               f"{sum(s['arms'][arm]['ttft_s']) / len(s['arms'][arm]['ttft_s']) * 1e3:.0f}"]
+              for s in results["settings"] for arm in ARMS]
     text = f"Measured: {provenance()}\n"
     text += table(f"{args.turns} turns per user, {args.answer_tokens} new tokens a turn, "
                   f"{args.image_side}x{args.image_side} images; TTFT and end-to-end from the turn's "
@@ -107,6 +116,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
                          "TTFT p50 of ours / stock's; prefix hit rate minus the ideal (points)",
                          ["users", "reuse", "arm", "req/s ours / stock", "TTFT p50 ours / stock",
                           "hit - ideal (points)"], ratios)
+    text += "\n" + table("Where the time to first token goes: ms a turn, means over the episode's turns; "
+                         "the server's stages from its metrics (see workload.turn_stages)",
+                         ["users", "reuse", "arm", *stage_names, "TTFT mean"], stages)
     return text
 
 

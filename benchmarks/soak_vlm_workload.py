@@ -6,7 +6,8 @@ One server with the plugin serves the random-weight ``testing.qwen_vl.bench_qwen
 Episodes of ``--users`` concurrent multi-turn chats follow each other until ``--minutes`` have
 passed, each with a new plan (new images, so every cache keeps filling), alternating the two arms
 of ours: spans inline and spans by handle. Each arm keeps one client for the whole run (its
-``EncoderCache`` and its held spans live as long as a real client's). After each episode it
+``EncoderCache`` and its held spans live as long as a real client's), and the users are the same
+threads for the whole run (a client process does not start new threads for every chat). After each episode it
 records the server's resident memory (its scheduler and detokenizer included), the client's, the
 server's span store and the rows it holds for the scheduler (``/sgl_embeds/info``), and the
 client caches' sizes. Errors are counted per episode, not raised.
@@ -19,12 +20,14 @@ and 256 MiB, take longer than ten minutes of this workload to fill).
 
     python benchmarks/soak_vlm_workload.py [--minutes 10] [--users 4] [--turns 3] [--reuse 0.5]
         [--image-side 448] [--warmup-minutes 2] [--server-cache-mib 64] [--client-cache-mib 32]
+        [--name vlm_soak]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import requests
@@ -63,6 +66,7 @@ def run(args: argparse.Namespace) -> dict:
                               cache=EncoderCache(args.client_cache_mib << 20))
                for arm in OURS}
     episodes, samples = [], []
+    users_pool = ThreadPoolExecutor(args.users)  # the users' threads live as long as the run
     try:
         t0 = time.perf_counter()
         samples.append(sample(server.url, server.proc.pid, clients, t0))
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
             arm = OURS[i % len(OURS)]
             plan = plan_turns(args.users, args.turns, args.reuse, seed=10_000 + i, image_side=args.image_side)
             try:
-                out = run_episode(clients[arm], plan)
+                out = run_episode(clients[arm], plan, users_pool=users_pool)
                 episodes.append({"arm": arm, "turns": out["turns"], "errors": 0, "resent": out["resent"],
                                  "requests_per_s": out["requests_per_s"]})
             except Exception as e:  # noqa: BLE001 - counted: the soak's first verdict
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
                   f"{samples[-1]['server_rss'] / 2**20:.0f} MiB", flush=True)
             i += 1
     finally:
+        users_pool.shutdown()
         server.stop()
     return {"episodes": episodes, "samples": samples}
 
@@ -118,7 +123,7 @@ def report(results: dict, v: dict, args: argparse.Namespace) -> str:
     return text
 
 
-def plot(results: dict, warmup_s: float) -> None:
+def plot(results: dict, warmup_s: float, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +140,7 @@ def plot(results: dict, warmup_s: float) -> None:
     ax.legend(fontsize=8)
     fig.suptitle("Soak: the VLM chat workload on one server of ours")
     fig.tight_layout()
-    fig.savefig(RESULTS / "vlm_soak.png", dpi=100)
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
 
 
 def main() -> None:
@@ -149,12 +154,13 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--server-cache-mib", type=int, default=64, help="SGL_EMBEDS_HANDLE_BYTES, in MiB")
     ap.add_argument("--client-cache-mib", type=int, default=32, help="each client's EncoderCache, in MiB")
+    ap.add_argument("--name", default="vlm_soak", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     results = run(args)
     v = verdict(results, args.warmup_minutes * 60)
     text = report(results, v, args)
-    save("vlm_soak", {**results, "verdict": v, "provenance": provenance()}, text)
-    plot(results, args.warmup_minutes * 60)
+    save(args.name, {**results, "verdict": v, "provenance": provenance()}, text)
+    plot(results, args.warmup_minutes * 60, args.name)
     print(text)
     raise SystemExit(1 if v["errors"] else 0)
 

@@ -118,7 +118,9 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[0], extra_args=["--enable-cache-report"],
                                           **served),
         "gateway_worker": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
-        "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report"], **served),
+        # with SGLang's metrics: the workload test reads its stage timings
+        "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report", "--enable-metrics"],
+                                  **served),
         # Qwen3-VL with its working tower, served by `sgl_embeds serve`: raw images beside spans
         "qwen3_vl": lambda: Server(tiny_qwen3_vl_dir(), extra_args=["--enable-cache-report"], **served),
         # image spans: NaN vision weights (the tower must never run on spans; no warm-up request,

@@ -39,6 +39,7 @@ import io
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -158,6 +159,7 @@ class Answer:
     cached_tokens: int
     prompt_atoms: list  # token ids, an image as its rows ("row", item, i): for ideal_hit_rate
     sent: float  # perf_counter at the turn's start (before the client's tower)
+    posted: float  # ... when its (last) request was posted, its body made
     first: float  # ... at the first streamed chunk
     done: float
     request_bytes: int
@@ -247,6 +249,7 @@ class ArmClient:
         sampling = {"temperature": 0, "max_new_tokens": self.answer_tokens, "ignore_eos": True}
         while True:
             payload = json.dumps({**body, "sampling_params": sampling, "stream": True}).encode()
+            posted = time.perf_counter()
             r = requests.post(self.url + "/generate", data=payload, stream=True, timeout=600,
                               headers={"Content-Type": "application/json"})
             if r.status_code == 200:
@@ -269,7 +272,7 @@ class ArmClient:
         meta = last["meta_info"]
         return Answer(turn.user, turn.index, turn.item, last["text"], list(last["output_ids"]),
                       meta["prompt_tokens"], meta.get("cached_tokens", 0), self.atoms(pieces), sent,
-                      first, done, len(payload), received, resent)
+                      posted, first, done, len(payload), received, resent)
 
 
 def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
@@ -329,9 +332,11 @@ class RssPeak:
         self.peak = max(self.peak, self._sample())
 
 
-def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()) -> dict:
+def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = (),
+                users_pool: ThreadPoolExecutor | None = None) -> dict:
     """``plan`` replayed by ``client``'s arm, one thread per user (closed loop): the answers and
-    the episode's measures."""
+    the episode's measures. The threads are ``users_pool``'s (at least one per user) when given,
+    so that a long run does not start new ones every episode; otherwise the episode's own."""
     client.prepare(plan)
     by_user: dict[int, list[Turn]] = {}
     for t in plan:
@@ -349,14 +354,14 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         except BaseException as e:  # noqa: BLE001 - reported after the episode
             errors.append(e)
 
-    threads = [threading.Thread(target=user, args=(turns,)) for turns in by_user.values()]
+    pool = users_pool or ThreadPoolExecutor(len(by_user))
     with RssPeak(list(server_pids)) as server_rss, RssPeak([psutil.Process().pid], children=False) as client_rss:
         t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        for done in [pool.submit(user, turns) for turns in by_user.values()]:
+            done.result()
         wall = time.perf_counter() - t0
+    if users_pool is None:
+        pool.shutdown()
     if errors:
         raise errors[0]
     answers.sort(key=lambda a: (a.user, a.index))
@@ -377,8 +382,67 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         "request_bytes": sum(a.request_bytes for a in answers),
         "response_bytes": sum(a.response_bytes for a in answers),
         "resent": sum(a.resent for a in answers),
+        "client_request_s": sum(a.posted - a.sent for a in answers) / len(answers),
         "answers": [{"user": a.user, "index": a.index, "item": asdict(a.item), "text": a.text,
                      "output_tokens": len(a.output_ids)} for a in answers],
+    }
+
+
+# The server's stages of a request that SGLang's metrics (``--enable-metrics``) time, each a
+# histogram: a metric family and the labels that pick its series.
+SERVER_STAGES = {
+    "server TTFT": ("sglang:time_to_first_token_seconds", {}),
+    "request process": ("sglang:per_stage_req_latency_seconds", {"stage": "request_process"}),
+    "queue": ("sglang:queue_time_seconds", {}),
+    "prefill forward": ("sglang:per_stage_req_latency_seconds", {"stage": "prefill_forward"}),
+}
+
+
+def server_stage_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Each of ``SERVER_STAGES``'s (seconds, requests) so far, summed over the servers at ``urls``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {stage: [0.0, 0.0] for stage in SERVER_STAGES}
+    for url in urls:
+        text = requests.get(url + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for stage, (name, labels) in SERVER_STAGES.items():
+                if family.name != name:
+                    continue
+                for sample in family.samples:
+                    if all(sample.labels.get(k) == v for k, v in labels.items()):
+                        if sample.name.endswith("_sum"):
+                            totals[stage][0] += sample.value
+                        elif sample.name.endswith("_count"):
+                            totals[stage][1] += sample.value
+    return {stage: tuple(v) for stage, v in totals.items()}
+
+
+def turn_stages(episode: dict, before: dict, after: dict) -> dict[str, float]:
+    """Where an episode's mean time to first token went (seconds a turn): the client's stages
+    (its tower, the rest of making the request), the trip to SGLang's route (sending, HTTP, body
+    parsing), and the server's stages from the difference of its metrics ``before`` and ``after``
+    the episode (``server_stage_totals``); "tokenize and return" is what the server's TTFT leaves
+    after the scheduler's stages (the tokenizer manager: stock's image processor, our spans'
+    placeholders; dispatch; the first token's way back). The stages add up to the mean TTFT."""
+    server = {}
+    for stage in SERVER_STAGES:
+        seconds = after[stage][0] - before[stage][0]
+        count = after[stage][1] - before[stage][1]
+        if count != episode["turns"]:
+            raise ValueError(f"{stage}: the servers counted {count:g} requests for {episode['turns']} turns")
+        server[stage] = seconds / count
+    tower = episode["client_tower_s"] / episode["turns"]
+    ttft = sum(episode["ttft_s"]) / episode["turns"]
+    scheduler = server["request process"] + server["queue"] + server["prefill forward"]
+    return {
+        "client tower": tower,
+        "client request, less the tower": episode["client_request_s"] - tower,
+        "to the route": ttft - episode["client_request_s"] - server["server TTFT"],
+        "tokenize and return": server["server TTFT"] - scheduler,
+        "request process": server["request process"],
+        "queue": server["queue"],
+        "prefill forward": server["prefill forward"],
     }
 
 
