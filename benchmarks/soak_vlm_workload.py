@@ -29,6 +29,7 @@ import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import psutil
 import requests
 from transformers import AutoTokenizer
@@ -36,11 +37,31 @@ from transformers import AutoTokenizer
 from common import RESULTS, make_server, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.vision import EncoderCache
-from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, rss, run_episode
+from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, pool_image, rss, run_episode
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 OURS = [arm for arm in ARMS if arm != "stock raw image"]
+
+
+def process_rss(pid: int) -> dict[str, int]:
+    """The resident memory (bytes) of a process and each of its children, by name (SGLang names
+    its scheduler and detokenizer processes)."""
+    out = {}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out[f"{p.name()} ({p.pid})"] = p.memory_info().rss
+        except psutil.Error:
+            pass
+    return out
+
+
+def slope_mib_per_min(samples: list[dict], value) -> float:
+    """The least-squares slope of ``value(sample)`` (bytes) over the samples' times, MiB a minute."""
+    t = np.array([s["t_s"] / 60 for s in samples])
+    y = np.array([value(s) / 2**20 for s in samples])
+    return float(np.polyfit(t, y, 1)[0])
 
 
 def sample(url: str, server_pid: int, clients: dict[str, ArmClient], t0: float) -> dict:
@@ -49,6 +70,7 @@ def sample(url: str, server_pid: int, clients: dict[str, ArmClient], t0: float) 
     return {
         "t_s": time.perf_counter() - t0,
         "server_rss": rss([server_pid]),
+        "server_processes_rss": process_rss(server_pid),
         "client_rss": rss([psutil.Process().pid], children=False),
         "span_store": info["span_store"], "rows_to_scheduler": info["rows_to_scheduler"],
         "encoder_cache": {arm: c.cache.stats() for arm, c in clients.items()},
@@ -81,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
             except Exception as e:  # noqa: BLE001 - counted: the soak's first verdict
                 episodes.append({"arm": arm, "turns": 0, "errors": 1, "error": repr(e)[:500]})
             clients[arm].forget_prepared()  # the harness's own pixels, not a client's memory
+            pool_image.cache_clear()  # likewise its images (an LRU of 512: ~300 MiB at 448x448)
             samples.append(sample(server.url, server.proc.pid, clients, t0))
             print(f"{samples[-1]['t_s']:6.0f} s  episode {i} {arm}: {episodes[-1]}  server RSS "
                   f"{samples[-1]['server_rss'] / 2**20:.0f} MiB", flush=True)
@@ -92,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def verdict(results: dict, warmup_s: float) -> dict:
-    """Growth after warm-up: the last sample's memory against the first sample after warm-up."""
+    """Growth after warm-up: the last sample's memory against the first sample after warm-up, and
+    the least-squares slope over all samples after it (a trend the sample-to-sample noise hides)."""
     after = [s for s in results["samples"] if s["t_s"] >= warmup_s]
     if len(after) < 2:
         raise SystemExit(f"fewer than two samples after the {warmup_s:.0f} s warm-up: run longer")
@@ -102,13 +126,20 @@ def verdict(results: dict, warmup_s: float) -> dict:
             "errors": sum(e["errors"] for e in results["episodes"]),
             "episodes": len(results["episodes"]), "warmup_s": warmup_s,
             "after_warmup": {k: (first[k], max(s[k] for s in after), last[k]) for k in ("server_rss", "client_rss")},
-            "growth": growth}
+            "growth": growth,
+            "slope_mib_per_min": {
+                **{k: slope_mib_per_min(after, lambda s, k=k: s[k]) for k in ("server_rss", "client_rss")},
+                **{name: slope_mib_per_min(after, lambda s, n=name: s["server_processes_rss"].get(n, 0))
+                   for name in last["server_processes_rss"]}}}
 
 
 def report(results: dict, v: dict, args: argparse.Namespace) -> str:
     mib = lambda b: f"{b / 2**20:.0f}"
-    rows = [[name, *(mib(x) for x in v["after_warmup"][key]), f"{v['growth'][key]:+.1%}"]
+    slope = v["slope_mib_per_min"]
+    rows = [[name, *(mib(x) for x in v["after_warmup"][key]), f"{v['growth'][key]:+.1%}", f"{slope[key]:+.1f}"]
             for name, key in (("server (all its processes)", "server_rss"), ("client", "client_rss"))]
+    rows += [[f"server: {name}", "", "", "", "", f"{slope[name]:+.1f}"]
+             for name in results["samples"][-1]["server_processes_rss"]]
     last = results["samples"][-1]
     text = f"Measured: {provenance()}\n"
     text += (f"\n{args.minutes} minutes, {args.users} concurrent users, {args.turns} turns each, "
@@ -116,7 +147,8 @@ def report(results: dict, v: dict, args: argparse.Namespace) -> str:
              f"alternating, server span budgets {args.server_cache_mib} MiB, client encoder caches "
              f"{args.client_cache_mib} MiB: {v['episodes']} episodes, {v['turns']} turns, **{v['errors']} errors**.\n")
     text += table(f"Resident memory after a {v['warmup_s']:.0f} s warm-up (MiB)",
-                  ["process", "first after warm-up", "peak after warm-up", "last", "last vs first"], rows)
+                  ["process", "first after warm-up", "peak after warm-up", "last", "last vs first",
+                   "slope after warm-up (MiB / min)"], rows)
     text += (f"\nAt the end: span store {last['span_store']}, rows held for the scheduler "
              f"{last['rows_to_scheduler']}, encoder caches {last['encoder_cache']}, "
              f"held spans {last['held_spans']}.\n")

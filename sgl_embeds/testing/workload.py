@@ -384,7 +384,9 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         "resent": sum(a.resent for a in answers),
         "client_request_s": sum(a.posted - a.sent for a in answers) / len(answers),
         "answers": [{"user": a.user, "index": a.index, "item": asdict(a.item), "text": a.text,
-                     "output_tokens": len(a.output_ids)} for a in answers],
+                     "output_tokens": len(a.output_ids), "prompt_tokens": a.prompt_tokens,
+                     "cached_tokens": a.cached_tokens, "resent": a.resent,
+                     "sent_s": a.sent - t0, "first_s": a.first - t0} for a in answers],
     }
 
 
