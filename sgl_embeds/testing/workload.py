@@ -180,6 +180,7 @@ class ArmClient:
     answer_tokens: int = 8
     cache: EncoderCache = field(default_factory=EncoderCache)
     tower_s: float = 0.0  # the client's tower time (cache misses)
+    tower_rows: int = 0  # ... and the rows it made
     lock: threading.Lock = field(default_factory=threading.Lock)
     _pixels: dict = field(default_factory=dict)
     _png: dict = field(default_factory=dict)
@@ -212,6 +213,7 @@ class ArmClient:
             out = self.cache.encode(self.encoder, image, region_of(item, self.image_side))
             if self.cache.misses > misses:
                 self.tower_s += time.perf_counter() - t0
+                self.tower_rows += out.rows.shape[0]
         return seg.Span(out.rows, grid=out.grid)
 
     def body(self, pieces: list) -> tuple[dict, list[torch.Tensor]]:
@@ -374,7 +376,7 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         "arm": client.arm, "turns": len(answers), "wall_s": wall, "requests_per_s": len(answers) / wall,
         "ttft_s": ttft, "e2e_s": e2e,
         "tower_passes_per_item": client.cache.misses / distinct if ours else None,
-        "client_tower_s": client.tower_s,
+        "client_tower_s": client.tower_s, "client_tower_rows": client.tower_rows,
         "hit_rate": sum(a.cached_tokens for a in answers) / prompt,
         "ideal_hit_rate": ideal_hit_rate(answers),
         "atoms_match_prompt_tokens": sum(len(a.prompt_atoms) == a.prompt_tokens for a in answers),
