@@ -20,12 +20,13 @@ and 256 MiB, take longer than ten minutes of this workload to fill).
 
     python benchmarks/soak_vlm_workload.py [--minutes 10] [--users 4] [--turns 3] [--reuse 0.5]
         [--image-side 448] [--warmup-minutes 2] [--server-cache-mib 64] [--client-cache-mib 32]
-        [--name vlm_soak]
+        [--name vlm_soak] [--reanalyze]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -133,7 +134,7 @@ def verdict(results: dict, warmup_s: float) -> dict:
                    for name in last["server_processes_rss"]}}}
 
 
-def report(results: dict, v: dict, args: argparse.Namespace) -> str:
+def report(results: dict, v: dict, args: argparse.Namespace, measured: str) -> str:
     mib = lambda b: f"{b / 2**20:.0f}"
     slope = v["slope_mib_per_min"]
     rows = [[name, *(mib(x) for x in v["after_warmup"][key]), f"{v['growth'][key]:+.1%}", f"{slope[key]:+.1f}"]
@@ -141,7 +142,7 @@ def report(results: dict, v: dict, args: argparse.Namespace) -> str:
     rows += [[f"server: {name}", "", "", "", "", f"{slope[name]:+.1f}"]
              for name in results["samples"][-1]["server_processes_rss"]]
     last = results["samples"][-1]
-    text = f"Measured: {provenance()}\n"
+    text = f"Measured: {measured}\n"
     text += (f"\n{args.minutes} minutes, {args.users} concurrent users, {args.turns} turns each, "
              f"reuse {args.reuse:.0%}, {args.image_side}x{args.image_side} images, arms {' / '.join(OURS)} "
              f"alternating, server span budgets {args.server_cache_mib} MiB, client encoder caches "
@@ -187,11 +188,18 @@ def main() -> None:
     ap.add_argument("--server-cache-mib", type=int, default=64, help="SGL_EMBEDS_HANDLE_BYTES, in MiB")
     ap.add_argument("--client-cache-mib", type=int, default=32, help="each client's EncoderCache, in MiB")
     ap.add_argument("--name", default="vlm_soak", help="results file name under benchmarks/results/")
+    ap.add_argument("--reanalyze", action="store_true",
+                    help="no run: the verdict of the saved run (--name) with this --warmup-minutes")
     args = ap.parse_args()
-    results = run(args)
+    if args.reanalyze:
+        saved = json.loads((RESULTS / f"{args.name}.json").read_text())
+        results = {"episodes": saved["episodes"], "samples": saved["samples"]}
+        measured = f"{saved['provenance']}; reanalyzed with --warmup-minutes {args.warmup_minutes:g}"
+    else:
+        results, measured = run(args), provenance()
     v = verdict(results, args.warmup_minutes * 60)
-    text = report(results, v, args)
-    save(args.name, {**results, "verdict": v, "provenance": provenance()}, text)
+    text = report(results, v, args, measured)
+    save(args.name, {**results, "verdict": v, "provenance": measured}, text)
     plot(results, args.warmup_minutes * 60, args.name)
     print(text)
     raise SystemExit(1 if v["errors"] else 0)
