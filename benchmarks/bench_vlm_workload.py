@@ -146,6 +146,41 @@ def plot(results: dict) -> None:
     fig.savefig(RESULTS / "vlm_workload.png", dpi=100)
 
 
+def target_verdicts(results: dict) -> str:
+    """Issue #35's targets, each with its verdict; where ours misses one on requests/s or TTFT,
+    where ours' turn spends its time (its largest stages, measured) beside stock's same stages."""
+    mean = lambda v: sum(v) / len(v)
+    lines = []
+    for s in results["settings"]:
+        base = s["arms"][STOCK]
+        for arm in ARMS[1:]:
+            a, where = s["arms"][arm], f"{s['users']} users, {s['reuse']:.0%} reuse, {arm}"
+            checks = [("prefix hit within 2 points of the ideal",
+                       abs(a["hit_rate"] - a["ideal_hit_rate"]) <= 0.02,
+                       f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f} points"),
+                      ("tower passes per distinct item <= 1.05", a["tower_passes_per_item"] <= 1.05,
+                       f"{a['tower_passes_per_item']:.2f}")]
+            rps = a["requests_per_s"] / base["requests_per_s"]
+            ttft = pct(a["ttft_s"], .5) / pct(base["ttft_s"], .5)
+            if s["reuse"] >= 0.8:
+                checks += [(">= 2x stock's requests/s", rps >= 2, f"{rps:.2f}x"),
+                           ("<= 0.5x stock's TTFT p50", ttft <= 0.5, f"{ttft:.2f}x")]
+            if s["reuse"] == 0:
+                checks.append((">= 0.95x stock's requests/s, the client's tower counted", rps >= 0.95, f"{rps:.2f}x"))
+            for name, met, value in checks:
+                line = f"- {where}: {name}: **{'met' if met else 'missed'}** ({value})"
+                if not met and "stock's" in name:
+                    top = sorted(a["stages_s"].items(), key=lambda kv: -kv[1])[:3]
+                    line += ("; ours' turn: TTFT mean {:.0f} ms, of it {}; then {:.0f} ms to the last token. "
+                             "Stock's: TTFT mean {:.0f} ms, {}; then {:.0f} ms").format(
+                        mean(a["ttft_s"]) * 1e3, ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in top),
+                        (mean(a["e2e_s"]) - mean(a["ttft_s"])) * 1e3, mean(base["ttft_s"]) * 1e3,
+                        ", ".join(f"{k} {base['stages_s'][k] * 1e3:.0f} ms" for k, _ in top),
+                        (mean(base["e2e_s"]) - mean(base["ttft_s"])) * 1e3)
+                lines.append(line)
+    return "\n### Targets (issue #35)\n" + "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", default="2,4", help="concurrencies, comma-separated")
@@ -156,7 +191,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     results = run(args)
-    text = report(results, args)
+    text = report(results, args) + target_verdicts(results)
     save("vlm_workload", {**results, "provenance": provenance()}, text)
     plot(results)
 
