@@ -110,7 +110,9 @@ def route(worker_urls: list[str], worker_pids: list[int]) -> Iterator[Route]:
     policy) in front of them, stopped afterwards; then every worker's prefix cache flushed (after
     the gateway's start: its health probes are requests, ``input_ids`` [0], which a worker caches)."""
     pids = list(dict.fromkeys(worker_pids))  # one process under two addresses counts once
-    gateway = Gateway(list(worker_urls)).start() if len(worker_urls) > 1 else None
+    # stopped when the episode is over, nothing in flight: no grace period (smg's takes ~5 s)
+    gateway = (Gateway(list(worker_urls), ["--policy", "cache_aware", "--shutdown-grace-period-secs", "0"]).start()
+               if len(worker_urls) > 1 else None)
     try:
         for url in worker_urls:  # once the worker is idle (a probe may be running), within 30 s
             requests.post(url + "/flush_cache", params={"timeout": 30}, timeout=60).raise_for_status()
