@@ -13,80 +13,108 @@ blocks, float32; a 448x448 image is 256 rows):
 * ``ours inline``: a server with the plugin, the tower on the client through one
   ``EncoderCache`` for all users, every item's rows inline;
 * ``ours by handle``: the same server, spans written as ``EmbedsEndpoint`` writes them (inline
-  once with ``keep_spans``, then by handle).
+  once with ``keep_spans``, then by handle);
+* ``stock raw image, smg x2`` and ``ours by handle, smg x2`` (issue #35 (d)): the same clients,
+  sending to SGLang's model gateway, smg, with its cache-aware policy, in front of two workers:
+  the arm's one-server server and one more like it (4 servers in all, ~4 GB each). A span by
+  handle that the gateway sends to the worker that does not hold it is refused and that turn is
+  sent again inline (``resent`` in the JSON). ``--no-smg``: without these two arms (2 servers).
 
-Both servers run from the start; for each setting (users x reuse) the arms run one after the
-other, their order rotated from one setting to the next, each after both servers' caches were
-flushed, with a fresh client cache; each setting has its own images (stock's multimodal cache
-is not flushed by ``/flush_cache``). Not done here: two workers behind smg (issue #35, (d)).
+Every server runs from the start, each warmed up with one turn of each client that uses it; for
+each setting (users x reuse) the arms run one after the other, their order rotated from one
+setting to the next, each after its workers' prefix caches were flushed (``workload.route``; an
+smg arm behind a gateway started for it, its prefix tree empty), with a fresh client cache; each
+setting has its own images (stock's multimodal cache is not flushed by ``/flush_cache``). For the
+same reason the smg arms replay the setting's turns with other images of the pool (the same
+users, turns, regions, questions and sizes; other pixels): the stock smg arm's first worker is
+the one-server stock arm's server. Peak server RSS counts every worker of the arm and its gateway.
 
     python benchmarks/bench_vlm_workload.py [--users 2,4] [--turns 3] [--reuse 0,0.5,0.8]
-        [--image-side 448] [--answer-tokens 8] [--seed 0]
+        [--image-side 448] [--answer-tokens 8] [--seed 0] [--no-smg] [--name vlm_workload]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
-import requests
 from transformers import AutoTokenizer
 
 from common import RESULTS, make_server, pct, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.testing.server import start_all, stop_all
-from sgl_embeds.testing.workload import (ARMS, ArmClient, plan_record, plan_turns, run_episode,
-                                         server_stage_totals, turn_stages)
+from sgl_embeds.testing.workload import (
+    ARMS, SMG_ARMS, Arm, ArmClient, Turn, plan_record, plan_turns, route, run_episode, server_stage_totals,
+    turn_stages,
+)
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report", "--enable-metrics"]
 STOCK = ARMS[0]
+STOCK_SMG = SMG_ARMS[0].name
+# the smg arms' images: the setting's own (image = its seed * 100_000 + k), shifted by this
+SMG_IMAGE_OFFSET = 50_000
 
 
 def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",")]
 
 
+def other_images(plan: list[Turn]) -> list[Turn]:
+    """``plan`` with every item's image shifted to another of the pool (``SMG_IMAGE_OFFSET``)."""
+    return [replace(t, item=replace(t.item, image=t.item.image + SMG_IMAGE_OFFSET)) for t in plan]
+
+
 def run(args: argparse.Namespace) -> dict:
     model_dir = bench_qwen2_5_vl_dir()
     encoder = QwenVLEncoder(model_dir, device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stock, ours = start_all([make_server(model_dir, plugin=False, extra=MM_ARGS),
-                             make_server(model_dir, plugin=True, extra=MM_ARGS)])
-    served = {STOCK: stock, "ours inline": ours, "ours by handle": ours}
+    arms = [Arm(client) for client in ARMS] + ([] if args.no_smg else list(SMG_ARMS))
+    count = max(arm.workers for arm in arms)
+    stock = [make_server(model_dir, plugin=False, extra=MM_ARGS) for _ in range(count)]
+    ours = [make_server(model_dir, plugin=True, extra=MM_ARGS) for _ in range(count)]
+    servers_of = {STOCK: stock, "ours inline": ours, "ours by handle": ours}  # by client
+    start_all([*stock, *ours])
     settings = [(int(u), r) for u in args.users.split(",") for r in floats(args.reuse)]
-    results: dict = {"settings": []}
+    results: dict = {"arms": [arm.name for arm in arms], "settings": []}
     try:
         warm = plan_turns(1, 1, 0.0, seed=args.seed * 1000, image_side=args.image_side)
-        for arm in ARMS:  # unrecorded: each arm's first requests
-            run_episode(ArmClient(arm, served[arm].url, encoder, tokenizer, args.image_side, 2), warm)
+        for client in ARMS:  # unrecorded: each client's first requests, on each of its servers
+            for s in servers_of[client]:
+                run_episode(ArmClient(client, s.url, encoder, tokenizer, args.image_side, 2), warm)
         for i, (users, reuse) in enumerate(settings):
             plan = plan_turns(users, args.turns, reuse, seed=args.seed * 1000 + i + 1,
                               image_side=args.image_side)
-            arms = ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]
-            out = {"users": users, "reuse": reuse, "order": arms, "plan": plan_record(plan), "arms": {}}
-            for arm in arms:
-                for s in (stock, ours):
-                    requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
-                client = ArmClient(arm, served[arm].url, encoder, tokenizer, args.image_side,
-                                   args.answer_tokens)
-                before = server_stage_totals([served[arm].url])
-                out["arms"][arm] = run_episode(client, plan, [served[arm].proc.pid])
-                out["arms"][arm]["stages_s"] = turn_stages(out["arms"][arm], before,
-                                                           server_stage_totals([served[arm].url]))
-                print(f"users {users} reuse {reuse:.0%} {arm}: "
-                      f"{out['arms'][arm]['requests_per_s']:.2f} req/s", flush=True)
+            smg_plan = other_images(plan)
+            order = arms[i % len(arms):] + arms[:i % len(arms)]
+            out = {"users": users, "reuse": reuse, "order": [arm.name for arm in order],
+                   "plan": plan_record(plan), "smg_plan": plan_record(smg_plan), "arms": {}}
+            for arm in order:
+                workers = servers_of[arm.client][:arm.workers]
+                with route([w.url for w in workers], [w.proc.pid for w in workers]) as to:
+                    client = ArmClient(arm.client, to.url, encoder, tokenizer, args.image_side,
+                                       args.answer_tokens)
+                    # behind smg the gateway's health probes are requests too: no stages
+                    before = server_stage_totals([to.url]) if arm.workers == 1 else None
+                    episode = run_episode(client, plan if arm.workers == 1 else smg_plan, to.pids)
+                    if before is not None:
+                        episode["stages_s"] = turn_stages(episode, before, server_stage_totals([to.url]))
+                out["arms"][arm.name] = {**episode, "workers": arm.workers}
+                print(f"users {users} reuse {reuse:.0%} {arm.name}: "
+                      f"{episode['requests_per_s']:.2f} req/s, {episode['resent']} resent", flush=True)
             results["settings"].append(out)
     finally:
-        stop_all([stock, ours])
+        stop_all([*stock, *ours])
     return results
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
     ms = lambda v, q: pct(v, q) * 1e3
     rows, ratios = [], []
+    ratio = lambda a, b: f"{a / b:.2f}x"
     for s in results["settings"]:
-        base = s["arms"][STOCK]
-        for arm in ARMS:
+        base, smg_base = s["arms"][STOCK], s["arms"].get(STOCK_SMG)
+        for arm in results["arms"]:
             a = s["arms"][arm]
             passes = "-" if a["tower_passes_per_item"] is None else f"{a['tower_passes_per_item']:.2f}"
             rows.append([s["users"], f"{s['reuse']:.0%}", arm, f"{a['requests_per_s']:.2f}",
@@ -96,10 +124,13 @@ def report(results: dict, args: argparse.Namespace) -> str:
                          f"{a['server_rss_peak'] / 2**20:.0f} / {a['client_rss_peak'] / 2**20:.0f}",
                          f"{a['request_bytes'] / a['turns'] / 1e6:.2f}"])
             if arm != STOCK:
+                vs_smg = ([ratio(a["requests_per_s"], smg_base["requests_per_s"]),
+                           ratio(pct(a["ttft_s"], .5), pct(smg_base["ttft_s"], .5))]
+                          if a["workers"] > 1 and arm != STOCK_SMG else ["-", "-"])
                 ratios.append([s["users"], f"{s['reuse']:.0%}", arm,
-                               f"{a['requests_per_s'] / base['requests_per_s']:.2f}x",
-                               f"{pct(a['ttft_s'], .5) / pct(base['ttft_s'], .5):.2f}x",
-                               f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f}"])
+                               ratio(a["requests_per_s"], base["requests_per_s"]),
+                               ratio(pct(a["ttft_s"], .5), pct(base["ttft_s"], .5)), *vs_smg,
+                               f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f}", a["resent"]])
     stage_names = list(results["settings"][0]["arms"][STOCK]["stages_s"])
     stages = [[s["users"], f"{s['reuse']:.0%}", arm,
                *(f"{s['arms'][arm]['stages_s'][k] * 1e3:.0f}" for k in stage_names),
@@ -108,21 +139,26 @@ def report(results: dict, args: argparse.Namespace) -> str:
     text = f"Measured: {provenance()}\n"
     text += table(f"{args.turns} turns per user, {args.answer_tokens} new tokens a turn, "
                   f"{args.image_side}x{args.image_side} images; TTFT and end-to-end from the turn's "
-                  "start (the client's tower included)",
+                  "start (the client's tower included); smg x2: two workers behind smg (cache-aware), "
+                  "peak RSS server counts both and the gateway",
                   ["users", "reuse", "arm", "req/s", "TTFT p50 / p90 / p99 (ms)", "e2e p50 (ms)",
                    "tower passes / item", "client tower s", "prefix hit (ideal)",
                    "peak RSS server / client (MiB)", "request MB / turn"], rows)
-    text += "\n" + table("Ours vs stock raw image in the same setting: requests/s of ours / stock's, "
-                         "TTFT p50 of ours / stock's; prefix hit rate minus the ideal (points)",
-                         ["users", "reuse", "arm", "req/s ours / stock", "TTFT p50 ours / stock",
-                          "hit - ideal (points)"], ratios)
-    text += "\n" + table("Where the time to first token goes: ms a turn, means over the episode's turns; "
-                         "the server's stages from its metrics (see workload.turn_stages)",
+    text += "\n" + table(
+        "Each arm vs stock raw image in the same setting: its requests/s / stock's and its TTFT p50 / "
+        "stock's, stock on one server (the same turns; for an smg arm, the same turns with other "
+        "images) and, for ours by handle behind smg, stock's smg x2 arm (the same turns, the same "
+        "images); prefix hit rate minus the ideal (points); turns resent inline (a handle the "
+        "worker did not hold)",
+        ["users", "reuse", "arm", "req/s / stock's (one server)", "TTFT p50 / stock's (one server)",
+         f"req/s / {STOCK_SMG}", f"TTFT p50 / {STOCK_SMG}", "hit - ideal (points)", "resent"], ratios)
+    text += "\n" + table("Where the time to first token goes, one server: ms a turn, means over the episode's "
+                         "turns; the server's stages from its metrics (see workload.turn_stages)",
                          ["users", "reuse", "arm", *stage_names, "TTFT mean"], stages)
     return text
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +169,7 @@ def plot(results: dict) -> None:
     for ax, u in zip(axes[0], users):
         settings = [s for s in results["settings"] if s["users"] == u]
         reuse = [s["reuse"] * 100 for s in settings]
-        for color, arm in zip(("C3", "C0", "C2"), ARMS):
+        for color, arm in zip(("C3", "C0", "C2", "C1", "C4"), results["arms"]):
             for q, style in ((0.5, "-"), (0.9, "--"), (0.99, ":")):
                 ax.plot(reuse, [pct(s["arms"][arm]["ttft_s"], q) * 1e3 for s in settings], style,
                         color=color, marker="o", label=f"{arm} p{round(q * 100)}")
@@ -143,7 +179,7 @@ def plot(results: dict) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Multi-turn VLM chat, random-weight Qwen2.5-VL on CPU")
     fig.tight_layout()
-    fig.savefig(RESULTS / "vlm_workload.png", dpi=100)
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
 
 
 def target_verdicts(results: dict) -> str:
@@ -189,11 +225,13 @@ def main() -> None:
     ap.add_argument("--image-side", type=int, default=448)
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-smg", action="store_true", help="without the two arms behind smg")
+    ap.add_argument("--name", default="vlm_workload", help="results: benchmarks/results/NAME.{md,json,png}")
     args = ap.parse_args()
     results = run(args)
     text = report(results, args) + target_verdicts(results)
-    save("vlm_workload", {**results, "provenance": provenance()}, text)
-    plot(results)
+    save(args.name, {**results, "provenance": provenance()}, text)
+    plot(results, args.name)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def main() -> None:
     results = json.loads((RESULTS / "vlm_workload.json").read_text())
     out, rows, bench = [], [], bench_sizes()
     for s in results["settings"]:
-        est = {arm: per_turn(s, arm, bench) for arm in s["arms"]}
+        est = {arm: per_turn(s, arm, bench) for arm, a in s["arms"].items() if "stages_s" in a}  # one server
         out.append({"users": s["users"], "reuse": s["reuse"], "arms": est})
         base = est["stock raw image"]
         for arm, e in est.items():

@@ -315,6 +315,7 @@ class Gateway:
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
     workers: list[Server] = field(default_factory=list)  # set by whoever started them
+    metrics_port: int = 0  # its Prometheus metrics, on 127.0.0.1
 
     @property
     def url(self) -> str:
@@ -322,12 +323,13 @@ class Gateway:
 
     def start(self, timeout: float = 60.0) -> "Gateway":
         self.port = self.port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
         fd, name = tempfile.mkstemp(prefix=f"smg-{self.port}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
         # its metrics server would bind 0.0.0.0:29000 by default: loopback, on a free port
         cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                "--worker-urls", *self.worker_urls, *self.args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -348,6 +350,12 @@ class Gateway:
         except (requests.RequestException, ValueError, KeyError):
             return []
         return [w["url"] for w in workers if w.get("is_healthy")]
+
+    def posts_taken(self, path: str) -> int:
+        """How many POST requests to ``path`` the gateway has taken (its Prometheus counter)."""
+        metrics = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        line = f'smg_http_requests_total{{method="POST",path="{path}"}} '
+        return sum(int(float(m[len(line):])) for m in metrics.splitlines() if m.startswith(line))
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

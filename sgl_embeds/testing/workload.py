@@ -26,6 +26,13 @@ the episode's requests/s; it runs one image at a time (one lock around the share
 second user asking for an item being encoded waits for it rather than running the tower again).
 Image pixels and PNGs are made before the clock (a client has its images as files).
 
+An ``Arm`` of the benchmark is one of those clients (``client``) and where its requests go
+(``workers``): one server, or (issue #35 (d)) that many behind SGLang's model gateway, smg, with
+its cache-aware policy. ``route`` sets that up for one episode: every worker's prefix cache
+flushed and, for several workers, a fresh gateway (its prefix tree empty); a span by handle that
+the gateway sends to a worker that does not hold it is refused (unknown handle) and ``ask`` sends
+that turn again with the rows inline (``resent``).
+
 ``ideal_hit_rate`` is what a prefix cache of unbounded size could have served of the replayed
 prompts: each request's longest token prefix shared with the prompt of a request sent before it
 or with the prompt and answer of one that finished before it was sent, at most its prompt less one
@@ -40,9 +47,10 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import psutil
@@ -52,6 +60,7 @@ from PIL import Image
 
 from sgl_embeds.sender import error_body, is_unknown_handle
 from sgl_embeds.testing.qwen_vl import IMAGE_PAD, VISION_END, VISION_START
+from sgl_embeds.testing.server import Gateway
 from sgl_embeds.vision import EncoderCache, region_image
 from sgl_embeds.writer import HeldSpans, SpanWriter
 from sgl_embeds_srt import segments as seg
@@ -61,6 +70,60 @@ QUESTIONS = ("what is in this picture?", "which colors are there?", "describe th
              "is there any text?", "how many objects do you see?", "what stands out here?")
 NEW_REGION_SHARE = 0.3  # of new items, once an image was seen: a box (2/3) or a mask (1/3) of one
 MIN_REGION = 0.4  # a region's sides are at least this share of the image's
+
+
+@dataclass(frozen=True)
+class Arm:
+    """An arm of the benchmark: what its client sends (``client``, one of ``ARMS``) and to how
+    many workers (``workers``: one server, or that many behind smg's cache-aware policy)."""
+
+    client: str
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.client not in ARMS:
+            raise ValueError(f"client must be one of {ARMS}, got {self.client!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
+    @property
+    def name(self) -> str:
+        return self.client if self.workers == 1 else f"{self.client}, smg x{self.workers}"
+
+
+# issue #35 (d): stock raw image and ours by handle, each with two workers behind smg
+SMG_ARMS = (Arm("stock raw image", 2), Arm("ours by handle", 2))
+
+
+@dataclass
+class Route:
+    """Where one episode's requests go (``url``), the processes whose memory counts as the
+    server's (``pids``: every worker's, and the gateway's), and the gateway (None: one server)."""
+
+    url: str
+    pids: list[int]
+    gateway: Gateway | None = None
+
+
+@contextmanager
+def route(worker_urls: list[str], worker_pids: list[int]) -> Iterator[Route]:
+    """An episode's ``Route`` to its workers: with more than one worker, a fresh smg (cache-aware
+    policy) in front of them, stopped afterwards; then every worker's prefix cache flushed (after
+    the gateway's start: its health probes are requests, ``input_ids`` [0], which a worker caches)."""
+    pids = list(dict.fromkeys(worker_pids))  # one process under two addresses counts once
+    # stopped when the episode is over, nothing in flight: no grace period (smg's takes ~5 s)
+    gateway = (Gateway(list(worker_urls), ["--policy", "cache_aware", "--shutdown-grace-period-secs", "0"]).start()
+               if len(worker_urls) > 1 else None)
+    try:
+        for url in worker_urls:  # once the worker is idle (a probe may be running), within 30 s
+            requests.post(url + "/flush_cache", params={"timeout": 30}, timeout=60).raise_for_status()
+        if gateway is None:
+            yield Route(worker_urls[0], pids)
+        else:
+            yield Route(gateway.url, [*pids, gateway.proc.pid], gateway)
+    finally:
+        if gateway is not None:
+            gateway.stop()
 
 
 @dataclass(frozen=True)
