@@ -19,8 +19,9 @@ SGLang, no model), one request at a time from this process, the sides interleave
   and the sealed bytes cannot change under a server that hashes them;
 * ``uvicorn, TCP, 100-byte body``: what any request costs here (the side of a text-ids prefix).
 
-Columns: the request as the client sees it (send to answer) and the server's read (its first
-receive to the whole body in hand; for the memfd, the descriptor's checks and its mapping).
+Columns: the request as the client sees it (send to answer), the server's read (its first
+receive to the whole body in hand; for the memfd, the descriptor's checks and its mapping) and
+how many ASGI messages the body came in.
 
     python benchmarks/bench_body_transports.py [--rounds 30]
 """
@@ -78,9 +79,17 @@ def _app(reader: str):
     async def app(scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             return
+        messages = 0
+
+        async def counted():
+            nonlocal messages
+            messages += 1
+            return await receive()
+
         t0 = time.monotonic()
-        body = await read(scope, receive)
-        answer = json.dumps({"read_s": time.monotonic() - t0, "bytes": len(body)}).encode()
+        body = await read(scope, counted)
+        answer = json.dumps({"read_s": time.monotonic() - t0, "bytes": len(body),
+                             "messages": messages}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
@@ -166,8 +175,9 @@ def _wait_listening(where: str, timeout_s: float = 120) -> None:
             probe.close()
 
 
-def _post(where: str, body: bytes) -> tuple[float, float]:
-    """(request s, server's read s), a new connection per request, as urllib posts."""
+def _post(where: str, body: bytes) -> tuple[float, float, int]:
+    """(request s, server's read s, the body's ASGI messages), a new connection per request, as
+    urllib posts."""
     conn = _UnixConnection(where) if where.startswith("/") else http.client.HTTPConnection("127.0.0.1", int(where))
     t0 = time.perf_counter()
     conn.request("POST", "/generate", body=body,
@@ -176,10 +186,10 @@ def _post(where: str, body: bytes) -> tuple[float, float]:
     took = time.perf_counter() - t0
     conn.close()
     assert answer["bytes"] == len(body)
-    return took, answer["read_s"]
+    return took, answer["read_s"], answer["messages"]
 
 
-def _post_memfd(conn: socket.socket, rows: np.ndarray) -> tuple[float, float]:
+def _post_memfd(conn: socket.socket, rows: np.ndarray) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     fd = os.memfd_create("span", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -192,7 +202,7 @@ def _post_memfd(conn: socket.socket, rows: np.ndarray) -> tuple[float, float]:
         os.close(fd)
     answer = json.loads(conn.recv(4096))
     assert answer["sealed"] and answer["bytes"] == rows.nbytes
-    return time.perf_counter() - t0, answer["read_s"]
+    return time.perf_counter() - t0, answer["read_s"], 1
 
 
 def main() -> None:
@@ -222,7 +232,7 @@ def main() -> None:
     post = {**{side: (lambda w=where: _post(w, body)) for side, (_, _, where) in http_sides.items()},
             MEMFD: lambda: _post_memfd(memfd_conn, rows), SMALL: lambda: _post("18731", small)}
     load_start = os.getloadavg()
-    times: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    times: dict[str, list[tuple[float, float, int]]] = {side: [] for side in sides}
     for r in range(args.rounds + 2):  # the first two rounds warm up
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
             took = post[side]()
@@ -233,14 +243,16 @@ def main() -> None:
         child.terminate()
     out_rows = []
     for side, got in times.items():
-        request_ms, read_ms = ([t * 1000 for t in column] for column in zip(*got))
+        request_s, read_s, messages = zip(*got)
+        request_ms, read_ms = [t * 1000 for t in request_s], [t * 1000 for t in read_s]
         out_rows.append([side, statistics.median(request_ms), min(request_ms),
-                         statistics.median(read_ms), min(read_ms)])
+                         statistics.median(read_ms), min(read_ms), statistics.median(messages)])
     text = (f"{provenance()}\nbare servers (no SGLang), one request at a time over a new connection, "
             f"{args.rounds} interleaved rounds, a body of {SPAN_BYTES} bytes (2880 x 4096 bfloat16); "
             f"load average (1, 5, 15 min) at the start {load_start}, at the end {load_end}")
     text += table("A span's bytes to a bare server, by transport (ms)",
-                  ["side", "request p50", "request min", "server's read p50", "server's read min"],
+                  ["side", "request p50", "request min", "server's read p50", "server's read min",
+                   "messages (p50)"],
                   out_rows)
     save("body_transports", {"commit": commit(), "machine": machine(), "rounds": args.rounds,
                              "load_start": load_start, "load_end": load_end,
