@@ -33,8 +33,11 @@ MAX_RUNNING = 4
 POOL_KEY = pytest.StashKey[ServerPool]()
 # the pool's Llama server and a second one like it: one launch fewer than two of the gateway's own
 # (the gateway tests measure each worker's counts as differences, so what the first one served
-# before does not matter)
+# before does not matter). The second serves HTTP with granian (SGLang's --enable-http2), the
+# first with uvicorn: the gateway's tests and test_binary_body_http.py hold the plugin to the same
+# answers under both servers SGLang runs, without a launch of its own
 GATEWAY_WORKERS = ("llama", "gateway_worker")
+GRANIAN_ARGS = ["--enable-http2"]
 
 # A small chunk and KV pool: spans get split across chunks, and decode runs out of KV and retracts.
 CONSTRAINED_ARGS = ["--chunked-prefill-size", "16", "--max-total-tokens", "256", "--max-running-requests", "8",
@@ -117,7 +120,8 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "llava_next": lambda: Server(llava_dirs("llava_next")[0], extra_args=["--enable-cache-report"], **served),
         "llava_onevision": lambda: Server(llava_dirs("llava_onevision")[0], extra_args=["--enable-cache-report"],
                                           **served),
-        "gateway_worker": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report"]),
+        "gateway_worker": lambda: Server(tiny_model_dir("llama"), extra_args=["--enable-cache-report",
+                                                                              *GRANIAN_ARGS]),
         # with SGLang's metrics: the workload test reads its stage timings
         "qwen_vl": lambda: Server(tiny_qwen2_5_vl_dir(), extra_args=["--enable-cache-report", "--enable-metrics"],
                                   **served),

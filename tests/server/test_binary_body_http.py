@@ -1,10 +1,12 @@
 """The binary request body through a real server (``binary_body.py``): a prompt sent as a binary
 body gives what its JSON form gives (the same rows, so the same placeholder ids and cache), on
 ``/generate`` (``EmbedsEndpoint.run`` too) and the upload route; a bad one is a 400 naming the
-fault, and the server keeps serving."""
+fault, and the server keeps serving; under granian (SGLang's ``--enable-http2``) the same answers
+as under uvicorn."""
 
 from __future__ import annotations
 
+import pytest
 import requests
 
 from helpers import GREEDY, LOGPROBS, body, generate, seeded_rows, span, text
@@ -63,3 +65,27 @@ def test_a_bad_binary_body_is_a_400_and_the_server_keeps_serving(llama_server):
     assert post_binary(llama_server, request).status_code == 200
     info = requests.get(llama_server.url + "/sgl_embeds/info", timeout=30).json()
     assert info["binary_body"] == binary_body.CONTENT_TYPE
+
+
+@pytest.mark.pooled("gateway_worker")
+def test_under_granian_a_binary_body_gives_what_uvicorn_gives(llama_server, servers):
+    """The pool's second Llama server runs granian (``GRANIAN_ARGS``), the first uvicorn, on the
+    same weights: a span prompt as a binary body gets the same output ids and logprobs from both,
+    a 5 MB span (many chunks of the body read) is held under the handle its rows give, and a
+    malformed body is a 400 after which the server keeps serving."""
+    granian = servers.get("gateway_worker")[0]
+    for server, name in ((granian, "granian"), (llama_server, "uvicorn")):
+        assert requests.get(server.url + "/health", timeout=30).headers.get("server") == name
+    request = {**body([text("the fox"), {"type": "embeds", "embeds": seeded_rows(304, 12)},
+                       text(" is")], 8), **LOGPROBS}
+    got, want = post_binary(granian, request), post_binary(llama_server, request)
+    assert got.status_code == 200 and want.status_code == 200, (got.text, want.text)
+    assert got.json()["output_ids"] == want.json()["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert got.json()["meta_info"][key] == want.json()["meta_info"][key], key
+    large = seeded_rows(305, 20_000)
+    up = post_binary(granian, {"embeds": large}, path="/sgl_embeds/spans")
+    assert up.status_code == 200 and up.json()["handle"] == keys.content_key(large), up.text
+    truncated = post_binary(granian, request, cut=8)
+    assert truncated.status_code == 400 and "end past" in truncated.json()["message"], truncated.text
+    assert post_binary(granian, request).json()["output_ids"] == want.json()["output_ids"]
