@@ -120,7 +120,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
             rows.append([s["users"], f"{s['reuse']:.0%}", arm, f"{a['requests_per_s']:.2f}",
                          f"{ms(a['ttft_s'], .5):.0f} / {ms(a['ttft_s'], .9):.0f} / {ms(a['ttft_s'], .99):.0f}",
                          f"{ms(a['e2e_s'], .5):.0f}", passes, f"{a['client_tower_s']:.1f}",
-                         f"{a['hit_rate']:.1%} ({a['ideal_hit_rate']:.1%})",
+                         f"{a['hit_rate']:.1%} ({a['ideal_hit_rate_prefilled']:.1%} - {a['ideal_hit_rate']:.1%})",
                          f"{a['server_rss_peak'] / 2**20:.0f} / {a['client_rss_peak'] / 2**20:.0f}",
                          f"{a['request_bytes'] / a['turns'] / 1e6:.2f}"])
             if arm != STOCK:
@@ -130,7 +130,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 ratios.append([s["users"], f"{s['reuse']:.0%}", arm,
                                ratio(a["requests_per_s"], base["requests_per_s"]),
                                ratio(pct(a["ttft_s"], .5), pct(base["ttft_s"], .5)), *vs_smg,
-                               f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f}", a["resent"]])
+                               f"{(a['hit_rate'] - a['ideal_hit_rate_prefilled']) * 100:+.1f}", a["resent"]])
     stage_names = list(results["settings"][0]["arms"][STOCK]["stages_s"])
     stages = [[s["users"], f"{s['reuse']:.0%}", arm,
                *(f"{s['arms'][arm]['stages_s'][k] * 1e3:.0f}" for k in stage_names),
@@ -142,13 +142,13 @@ def report(results: dict, args: argparse.Namespace) -> str:
                   "start (the client's tower included); smg x2: two workers behind smg (cache-aware), "
                   "peak RSS server counts both and the gateway",
                   ["users", "reuse", "arm", "req/s", "TTFT p50 / p90 / p99 (ms)", "e2e p50 (ms)",
-                   "tower passes / item", "client tower s", "prefix hit (ideal)",
+                   "tower passes / item", "client tower s", "prefix hit (ideal: prefilled - sent)",
                    "peak RSS server / client (MiB)", "request MB / turn"], rows)
     text += "\n" + table(
         "Each arm vs stock raw image in the same setting: its requests/s / stock's and its TTFT p50 / "
         "stock's, stock on one server (the same turns; for an smg arm, the same turns with other "
         "images) and, for ours by handle behind smg, stock's smg x2 arm (the same turns, the same "
-        "images); prefix hit rate minus the ideal (points); turns resent inline (a handle the "
+        "images); prefix hit rate minus the ideal of prefixes prefilled by then (points); turns resent inline (a handle the "
         "worker did not hold)",
         ["users", "reuse", "arm", "req/s / stock's (one server)", "TTFT p50 / stock's (one server)",
          f"req/s / {STOCK_SMG}", f"TTFT p50 / {STOCK_SMG}", "hit - ideal (points)", "resent"], ratios)
@@ -191,9 +191,10 @@ def target_verdicts(results: dict) -> str:
         base = s["arms"][STOCK]
         for arm in ARMS[1:]:
             a, where = s["arms"][arm], f"{s['users']} users, {s['reuse']:.0%} reuse, {arm}"
-            checks = [("prefix hit within 2 points of the ideal",
-                       abs(a["hit_rate"] - a["ideal_hit_rate"]) <= 0.02,
-                       f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f} points"),
+            checks = [("prefix hit within 2 points of the ideal (of prefixes prefilled when sent)",
+                       a["hit_rate"] >= a["ideal_hit_rate_prefilled"] - 0.02,
+                       f"{(a['hit_rate'] - a['ideal_hit_rate_prefilled']) * 100:+.1f} points; "
+                       f"{(a['hit_rate'] - a['ideal_hit_rate']) * 100:+.1f} from the ideal of prefixes sent"),
                       ("tower passes per distinct item <= 1.05", a["tower_passes_per_item"] <= 1.05,
                        f"{a['tower_passes_per_item']:.2f}")]
             rps = a["requests_per_s"] / base["requests_per_s"]

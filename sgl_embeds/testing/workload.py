@@ -37,6 +37,11 @@ that turn again with the rows inline (``resent``).
 prompts: each request's longest token prefix shared with the prompt of a request sent before it
 or with the prompt and answer of one that finished before it was sent, at most its prompt less one
 token, over all prompt tokens; an image counts as its rows, the same item giving the same rows.
+With concurrent users that counts prefixes still being computed when a request went out, which no
+cache can serve; ``ideal_hit_rate(..., in_prefill=False)`` counts only what was computed by then:
+the prompt of a request whose first token had come back before this one was posted, with its
+answer once it had finished. A server's hit rate lies between the two (up to the moments the
+client sees: a prefill that ends while a request is on its way can serve it).
 """
 
 from __future__ import annotations
@@ -442,6 +447,7 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         "client_tower_s": client.tower_s, "client_tower_rows": client.tower_rows,
         "hit_rate": sum(a.cached_tokens for a in answers) / prompt,
         "ideal_hit_rate": ideal_hit_rate(answers),
+        "ideal_hit_rate_prefilled": ideal_hit_rate(answers, in_prefill=False),
         "atoms_match_prompt_tokens": sum(len(a.prompt_atoms) == a.prompt_tokens for a in answers),
         "server_rss_peak": server_rss.peak, "client_rss_peak": client_rss.peak,
         "request_bytes": sum(a.request_bytes for a in answers),
@@ -513,15 +519,17 @@ def turn_stages(episode: dict, before: dict, after: dict) -> dict[str, float]:
     }
 
 
-def ideal_hit_rate(answers: list[Answer]) -> float:
-    """See the module docstring: prefixes shared with requests done before each was sent."""
+def ideal_hit_rate(answers: list[Answer], in_prefill: bool = True) -> float:
+    """See the module docstring: prefixes shared with requests sent before each (``in_prefill``)
+    or prefilled before it was posted, with their answers once done."""
     cached = 0
     for a in answers:
         best = 0
+        start = a.sent if in_prefill else a.posted
         for b in answers:
-            if b.done <= a.sent:
+            if b.done <= start:
                 best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms + b.output_ids[:-1]))
-            elif (b.sent, b.user) < (a.sent, a.user):
+            elif (b.sent, b.user) < (a.sent, a.user) if in_prefill else b.first <= start:
                 best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms))
         cached += min(best, len(a.prompt_atoms) - 1)
     return cached / sum(len(a.prompt_atoms) for a in answers)
