@@ -38,24 +38,11 @@ from transformers import AutoTokenizer
 from common import RESULTS, make_server, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.vision import EncoderCache
-from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, pool_image, rss, run_episode
+from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, pool_image, process_rss, rss, run_episode
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 OURS = [arm for arm in ARMS if arm != "stock raw image"]
-
-
-def process_rss(pid: int) -> dict[str, int]:
-    """The resident memory (bytes) of a process and each of its children, by name (SGLang names
-    its scheduler and detokenizer processes)."""
-    out = {}
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            out[f"{p.name()} ({p.pid})"] = p.memory_info().rss
-        except psutil.Error:
-            pass
-    return out
 
 
 def slope_mib_per_min(samples: list[dict], value) -> float:

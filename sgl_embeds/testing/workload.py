@@ -362,17 +362,27 @@ def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
     return merged
 
 
-def rss(pids: list[int], children: bool = True) -> int:
-    """The resident memory (bytes) of processes now and, with ``children``, theirs."""
-    total = 0
-    for pid in pids:
+def process_rss(pid: int, children: bool = True) -> dict[str, int]:
+    """The resident memory (bytes) of a process now and, with ``children``, of each of its
+    children, by name and pid (SGLang names its scheduler and detokenizer processes); a process
+    gone meanwhile is left out."""
+    out: dict[str, int] = {}
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *(root.children(recursive=True) if children else [])]
+    except psutil.Error:
+        return out
+    for p in processes:
         try:
-            p = psutil.Process(pid)
-            for q in [p, *(p.children(recursive=True) if children else [])]:
-                total += q.memory_info().rss
+            out[f"{p.name()} ({p.pid})"] = p.memory_info().rss
         except psutil.Error:
             pass
-    return total
+    return out
+
+
+def rss(pids: list[int], children: bool = True) -> int:
+    """The resident memory (bytes) of processes now and, with ``children``, theirs."""
+    return sum(sum(process_rss(pid, children).values()) for pid in pids)
 
 
 class RssPeak:
@@ -527,9 +537,13 @@ def ideal_hit_rate(answers: list[Answer], in_prefill: bool = True) -> float:
         best = 0
         start = a.sent if in_prefill else a.posted
         for b in answers:
+            if in_prefill:
+                prompt_counts = (b.sent, b.user) < (a.sent, a.user)  # sent before, maybe in prefill
+            else:
+                prompt_counts = b.first <= start  # its prefill done when ``a`` was posted
             if b.done <= start:
                 best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms + b.output_ids[:-1]))
-            elif (b.sent, b.user) < (a.sent, a.user) if in_prefill else b.first <= start:
+            elif prompt_counts:
                 best = max(best, _common_prefix(a.prompt_atoms, b.prompt_atoms))
         cached += min(best, len(a.prompt_atoms) - 1)
     return cached / sum(len(a.prompt_atoms) for a in answers)
