@@ -40,10 +40,9 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
     LlavaOnevisionImageProcessorPil,
 )
 
-from sgl_embeds.vision import load_state
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tiling import Tiling
-from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, read_vision_dir
+from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, place_vision_half, read_vision_dir
 
 FORMAT = "sgl_embeds.llava_anyres_vision/1"
 # model_type -> the image processors (torchvision, PIL) whose tiling the encoder reproduces
@@ -227,15 +226,9 @@ class AnyresEncoder:
         vision = AutoConfig.for_model(**self.config.vision_config)
         self.tower = AutoModel.from_config(vision).to(torch.float32)
         self.projector = Projector(self.config)
-        for name, module in (("tower", self.tower), ("projector", self.projector)):
-            prefix = name + "."
-            state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-            load_state(module, state, f"{vision_dir}: {name} weights")
+        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device)
         digest.update(f"{self.backend}\n{self.processor.to_json_string()}".encode())
         self.identity = f"{self.config.family}-{digest.hexdigest()[:16]}"  # for encoder caches
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tower.to(self.device).eval()
-        self.projector.to(self.device).eval()
         self.image_newline = weights["image_newline"].to(self.device)  # [llm_hidden]
 
     @property

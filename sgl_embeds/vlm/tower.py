@@ -206,6 +206,21 @@ def clip_to_open_clip(hf: dict[str, torch.Tensor], layers: int) -> dict[str, tor
     return out
 
 
+def place_vision_half(tower: torch.nn.Module, projector: torch.nn.Module, weights: dict[str, torch.Tensor],
+                      where: str, device: str | torch.device | None) -> torch.device:
+    """Loads ``tower.*`` and ``projector.*`` of a split checkpoint's ``weights`` into the two
+    modules (a mismatch: ``ValueError`` naming ``where``), moves them to ``device`` (default: CUDA
+    when there is one) in eval mode, and returns that device."""
+    for name, module in (("tower", tower), ("projector", projector)):
+        prefix = name + "."
+        state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        load_state(module, state, f"{where}{name} weights")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tower.to(device).eval()
+    projector.to(device).eval()
+    return device
+
+
 class LlavaEncoder:
     """The vision half of a split LLaVA checkpoint (see ``load_llava_encoder``)."""
 
@@ -215,13 +230,7 @@ class LlavaEncoder:
         self.identity = identity  # names the weights and settings, for encoder-output caches
         self.tower = build_tower(config.tower)
         self.projector = Projector(config)
-        for name, module in (("tower", self.tower), ("projector", self.projector)):
-            prefix = name + "."
-            state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-            load_state(module, state, f"{name} weights")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tower.to(self.device).eval()
-        self.projector.to(self.device).eval()
+        self.device = place_vision_half(self.tower, self.projector, weights, "", device)
 
     # what the server it fits serves (sgl_embeds.connect checks it)
     family = "llava"
