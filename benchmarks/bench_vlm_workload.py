@@ -27,15 +27,24 @@ smg arm behind a gateway started for it, its prefix tree empty), with a fresh cl
 setting has its own images (stock's multimodal cache is not flushed by ``/flush_cache``). For the
 same reason the smg arms replay the setting's turns with other images of the pool (the same
 users, turns, regions, questions and sizes; other pixels): the stock smg arm's first worker is
-the one-server stock arm's server. Peak server RSS counts every worker of the arm and its gateway.
+the one-server stock arm's server. Peak server RSS counts every worker of the arm and its gateway;
+each arm's prompt tokens by worker (SGLang's metrics) show how the gateway spread its turns.
+
+On a CPU machine the workers share its cores: with a thread per core each (the default), two
+workers busy at once run twice as many threads as there are cores and slow each other down
+(measured: ~2.5x); ``--worker-threads`` gives each server fewer. Stock's raw-image chats reach
+the gateway as text with one pad per image, so its cache-aware policy sends a setting's turns to
+one worker; ours carry a hint of their rows and were spread over both in 11 of 12 episodes measured.
 
     python benchmarks/bench_vlm_workload.py [--users 2,4] [--turns 3] [--reuse 0,0.5,0.8]
-        [--image-side 448] [--answer-tokens 8] [--seed 0] [--no-smg] [--name vlm_workload]
+        [--image-side 448] [--answer-tokens 8] [--seed 0] [--no-smg] [--worker-threads N]
+        [--name vlm_workload]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 
 from transformers import AutoTokenizer
@@ -44,8 +53,8 @@ from common import RESULTS, make_server, pct, provenance, save, table
 from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.testing.server import start_all, stop_all
 from sgl_embeds.testing.workload import (
-    ARMS, SMG_ARMS, Arm, ArmClient, Turn, plan_record, plan_turns, route, run_episode, server_stage_totals,
-    turn_stages,
+    ARMS, SMG_ARMS, Arm, ArmClient, Turn, plan_record, plan_turns, prompt_tokens_taken, route, run_episode,
+    server_stage_totals, turn_stages,
 )
 from sgl_embeds.vlm import QwenVLEncoder
 
@@ -71,8 +80,10 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     arms = [Arm(client) for client in ARMS] + ([] if args.no_smg else list(SMG_ARMS))
     count = max(arm.workers for arm in arms)
-    stock = [make_server(model_dir, plugin=False, extra=MM_ARGS) for _ in range(count)]
-    ours = [make_server(model_dir, plugin=True, extra=MM_ARGS) for _ in range(count)]
+    threads = {} if args.worker_threads is None else {"OMP_NUM_THREADS": str(args.worker_threads),
+                                                       "MKL_NUM_THREADS": str(args.worker_threads)}
+    stock = [make_server(model_dir, plugin=False, extra=MM_ARGS, env=threads) for _ in range(count)]
+    ours = [make_server(model_dir, plugin=True, extra=MM_ARGS, env=threads) for _ in range(count)]
     servers_of = {STOCK: stock, "ours inline": ours, "ours by handle": ours}  # by client
     start_all([*stock, *ours])
     settings = [(int(u), r) for u in args.users.split(",") for r in floats(args.reuse)]
@@ -96,9 +107,12 @@ def run(args: argparse.Namespace) -> dict:
                                        args.answer_tokens)
                     # behind smg the gateway's health probes are requests too: no stages
                     before = server_stage_totals([to.url]) if arm.workers == 1 else None
+                    tokens_before = prompt_tokens_taken([w.url for w in workers])
                     episode = run_episode(client, plan if arm.workers == 1 else smg_plan, to.pids)
                     if before is not None:
                         episode["stages_s"] = turn_stages(episode, before, server_stage_totals([to.url]))
+                    episode["worker_prompt_tokens"] = [
+                        a - b for a, b in zip(prompt_tokens_taken([w.url for w in workers]), tokens_before)]
                 out["arms"][arm.name] = {**episode, "workers": arm.workers}
                 print(f"users {users} reuse {reuse:.0%} {arm.name}: "
                       f"{episode['requests_per_s']:.2f} req/s, {episode['resent']} resent", flush=True)
@@ -130,13 +144,16 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 ratios.append([s["users"], f"{s['reuse']:.0%}", arm,
                                ratio(a["requests_per_s"], base["requests_per_s"]),
                                ratio(pct(a["ttft_s"], .5), pct(base["ttft_s"], .5)), *vs_smg,
-                               f"{(a['hit_rate'] - a['ideal_hit_rate_prefilled']) * 100:+.1f}", a["resent"]])
+                               f"{(a['hit_rate'] - a['ideal_hit_rate_prefilled']) * 100:+.1f}", a["resent"],
+                               worker_shares(a)])
     stage_names = list(results["settings"][0]["arms"][STOCK]["stages_s"])
     stages = [[s["users"], f"{s['reuse']:.0%}", arm,
                *(f"{s['arms'][arm]['stages_s'][k] * 1e3:.0f}" for k in stage_names),
                f"{sum(s['arms'][arm]['ttft_s']) / len(s['arms'][arm]['ttft_s']) * 1e3:.0f}"]
               for s in results["settings"] for arm in ARMS]
     text = f"Measured: {provenance()}\n"
+    text += (f"Every server's threads: {args.worker_threads or 'one per core'} "
+             f"(`--worker-threads`; this machine has {os.cpu_count()} cores).\n")
     text += table(f"{args.turns} turns per user, {args.answer_tokens} new tokens a turn, "
                   f"{args.image_side}x{args.image_side} images; TTFT and end-to-end from the turn's "
                   "start (the client's tower included); smg x2: two workers behind smg (cache-aware), "
@@ -151,11 +168,21 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "images); prefix hit rate minus the ideal of prefixes prefilled by then (points); turns resent inline (a handle the "
         "worker did not hold)",
         ["users", "reuse", "arm", "req/s / stock's (one server)", "TTFT p50 / stock's (one server)",
-         f"req/s / {STOCK_SMG}", f"TTFT p50 / {STOCK_SMG}", "hit - ideal (points)", "resent"], ratios)
+         f"req/s / {STOCK_SMG}", f"TTFT p50 / {STOCK_SMG}", "hit - ideal (points)", "resent",
+         "prompt tokens by worker"], ratios)
     text += "\n" + table("Where the time to first token goes, one server: ms a turn, means over the episode's "
                          "turns; the server's stages from its metrics (see workload.turn_stages)",
                          ["users", "reuse", "arm", *stage_names, "TTFT mean"], stages)
     return text
+
+
+def worker_shares(arm: dict) -> str:
+    """How an episode's prompt tokens fell on its workers, e.g. "100% / 0%" (smg's routing);
+    "-" for one server."""
+    tokens = arm.get("worker_prompt_tokens", [])
+    if len(tokens) < 2:
+        return "-"
+    return " / ".join(f"{t / sum(tokens):.0%}" for t in tokens)
 
 
 def plot(results: dict, name: str) -> None:
@@ -227,6 +254,10 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-smg", action="store_true", help="without the two arms behind smg")
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="each server's torch threads (default: one per core). Two workers behind "
+                         "smg that are busy at once share this machine's cores: at one per core each "
+                         "they run twice as many threads as cores")
     ap.add_argument("--name", default="vlm_workload", help="results: benchmarks/results/NAME.{md,json,png}")
     args = ap.parse_args()
     results = run(args)

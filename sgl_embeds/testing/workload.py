@@ -481,14 +481,26 @@ SERVER_STAGES = {
 }
 
 
-def server_stage_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
-    """Each of ``SERVER_STAGES``'s (seconds, requests) so far, summed over the servers at ``urls``."""
+def _metric_families(url: str) -> Iterator:
+    """The metric families of the SGLang server at ``url`` (``--enable-metrics``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    return text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text)
+
+
+def prompt_tokens_taken(urls: list[str]) -> list[float]:
+    """Each server's prompt tokens so far (``sglang:prompt_tokens_total``): behind a gateway, the
+    difference over an episode says how its policy spread the turns (a health probe adds one)."""
+    return [sum(sample.value for family in _metric_families(url) if family.name == "sglang:prompt_tokens"
+                for sample in family.samples if sample.name.endswith("_total"))
+            for url in urls]
+
+
+def server_stage_totals(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Each of ``SERVER_STAGES``'s (seconds, requests) so far, summed over the servers at ``urls``."""
     totals = {stage: [0.0, 0.0] for stage in SERVER_STAGES}
     for url in urls:
-        text = requests.get(url + "/metrics", timeout=30).text
-        for family in text_string_to_metric_families(text):
+        for family in _metric_families(url):
             for stage, (name, labels) in SERVER_STAGES.items():
                 if family.name != name:
                     continue

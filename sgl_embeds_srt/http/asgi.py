@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 import orjson
-from fastapi.responses import ORJSONResponse
+from starlette.responses import Response
 
 from sgl_embeds_srt import binary_body
 from sgl_embeds_srt.prompts import ModelSpec
@@ -20,15 +20,19 @@ def max_body_bytes() -> int:
     return int(os.environ.get("SGL_EMBEDS_MAX_BODY_BYTES", 1 << 30))
 
 
+def json_response(content: Any, status: int = 200) -> Response:
+    """``content`` as JSON, by orjson as SGLang's routes do (FastAPI's orjson response class is
+    deprecated and warned on every call)."""
+    body = orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status, media_type="application/json")
+
+
 def error_response(message: str, status: int = 400, kind: str = "BadRequestError",
-                   param: Any = None) -> ORJSONResponse:
+                   param: Any = None) -> Response:
     """SGLang's error body. A 4xx is the client's fault to a gateway: never retried, and never
     counted against the worker by its circuit breaker (docs/scaling.md)."""
-    return ORJSONResponse(
-        status_code=status,
-        content={"object": "error", "message": message, "type": kind, "param": param,
-                 "code": status},
-    )
+    return json_response({"object": "error", "message": message, "type": kind, "param": param,
+                          "code": status}, status)
 
 
 def server_spec() -> ModelSpec:

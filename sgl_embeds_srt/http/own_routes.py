@@ -17,7 +17,6 @@ from importlib.metadata import version
 from typing import Any, Callable
 
 import orjson
-from fastapi.responses import ORJSONResponse
 
 from sgl_embeds_srt import binary_body, family, handles, keys, parse, transport, wire
 from sgl_embeds_srt.http import asgi
@@ -52,7 +51,7 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
                 send: Callable) -> None:
     """A request whose path starts with ``PREFIX``: one of the routes above, or a 404."""
     if path == INFO_PATH and method == "GET":
-        response: Any = ORJSONResponse(info(store))
+        response: Any = asgi.json_response(info(store))
     elif path == handles.PATH and method == "POST":
         body, too_big = await asgi.read_body(scope, receive, asgi.max_body_bytes())
         try:
@@ -61,14 +60,14 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
                 raise ValueError("the body must be a JSON object (or a binary body, "
                                  f"{binary_body.CONTENT_TYPE}) within the size limit")
             uploaded = await asyncio.to_thread(handles.upload, payload, store, asgi.server_spec().check_width)
-            response = ORJSONResponse(uploaded)
+            response = asgi.json_response(uploaded)
         except ValueError as e:
             response = asgi.error_response(str(e))
     elif path.startswith(handles.PATH + "/") and method == "DELETE":
         handle = path[len(handles.PATH) + 1 :]
         found = store.delete(handle)
         transport.release(handle)  # the scheduler's copy too
-        response = ORJSONResponse({"deleted": found}, status_code=200 if found else 404)
+        response = asgi.json_response({"deleted": found}, 200 if found else 404)
     else:
         response = asgi.error_response(f"no route {method} {path}", 404)
     await response(scope, receive, send)

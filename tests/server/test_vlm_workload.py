@@ -2,7 +2,8 @@
 with a working tower: every arm replays the same turns and answers every one of them, on the
 server and through smg (``workload.route``), and the token count the ideal hit rate is computed
 from is the server's own prompt length; the stages a turn's time to first token is split into are
-each counted once a turn and none is negative."""
+each counted once a turn and none is negative; the prompt tokens the server counts (what the
+bench reads to see how a gateway spread the turns) are the answers' prompt tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import requests
 from transformers import AutoTokenizer
 
 from sgl_embeds.testing.workload import (
-    ARMS, SMG_ARMS, ArmClient, Turn, plan_turns, route, run_episode, server_stage_totals, turn_stages,
+    ARMS, SMG_ARMS, ArmClient, Turn, plan_turns, prompt_tokens_taken, route, run_episode, server_stage_totals,
+    turn_stages,
 )
 from sgl_embeds.vlm import QwenVLEncoder
 
@@ -43,7 +45,11 @@ def test_every_arm_answers_every_turn_of_one_plan(qwen_vl_server, client_parts):
         requests.post(qwen_vl_server.url + "/flush_cache", timeout=60).raise_for_status()
         client = ArmClient(arm, qwen_vl_server.url, *client_parts, 224, answer_tokens=2)
         before = server_stage_totals([qwen_vl_server.url])
+        (tokens_before,) = prompt_tokens_taken([qwen_vl_server.url])
         out = run_episode(client, plan, [qwen_vl_server.proc.pid])
+        # what the bench reads to see how a gateway spread the turns: the server's own prompt count
+        (tokens_after,) = prompt_tokens_taken([qwen_vl_server.url])
+        assert tokens_after - tokens_before == sum(a["prompt_tokens"] for a in out["answers"]) > 0, arm
         # one sample a turn in each of the server's stages (else a ValueError), none negative
         stages = turn_stages(out, before, server_stage_totals([qwen_vl_server.url]))
         assert min(stages.values()) >= 0.0 and stages["prefill forward"] > 0.0, (arm, stages)
