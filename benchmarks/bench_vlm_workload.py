@@ -34,7 +34,8 @@ On a CPU machine the workers share its cores: with a thread per core each (the d
 workers busy at once run twice as many threads as there are cores and slow each other down
 (measured: ~2.5x); ``--worker-threads`` gives each server fewer. Stock's raw-image chats reach
 the gateway as text with one pad per image, so its cache-aware policy sends a setting's turns to
-one worker; ours carry a hint of their rows and were spread over both in 11 of 12 episodes measured.
+one worker (24 episodes of 24 measured); ours carry a hint of their rows and were spread over
+both in 17 of the 24.
 
     python benchmarks/bench_vlm_workload.py [--users 2,4] [--turns 3] [--reuse 0,0.5,0.8]
         [--image-side 448] [--answer-tokens 8] [--seed 0] [--no-smg] [--worker-threads N]
