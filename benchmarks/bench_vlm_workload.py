@@ -103,17 +103,18 @@ def run(args: argparse.Namespace) -> dict:
                    "plan": plan_record(plan), "smg_plan": plan_record(smg_plan), "arms": {}}
             for arm in order:
                 workers = servers_of[arm.client][:arm.workers]
-                with route([w.url for w in workers], [w.proc.pid for w in workers]) as to:
+                worker_urls = [w.url for w in workers]
+                with route(worker_urls, [w.proc.pid for w in workers]) as to:
                     client = ArmClient(arm.client, to.url, encoder, tokenizer, args.image_side,
                                        args.answer_tokens)
                     # behind smg the gateway's health probes are requests too: no stages
                     before = server_stage_totals([to.url]) if arm.workers == 1 else None
-                    tokens_before = prompt_tokens_taken([w.url for w in workers])
+                    tokens_before = prompt_tokens_taken(worker_urls)
                     episode = run_episode(client, plan if arm.workers == 1 else smg_plan, to.pids)
                     if before is not None:
                         episode["stages_s"] = turn_stages(episode, before, server_stage_totals([to.url]))
                     episode["worker_prompt_tokens"] = [
-                        a - b for a, b in zip(prompt_tokens_taken([w.url for w in workers]), tokens_before)]
+                        a - b for a, b in zip(prompt_tokens_taken(worker_urls), tokens_before)]
                 out["arms"][arm.name] = {**episode, "workers": arm.workers}
                 print(f"users {users} reuse {reuse:.0%} {arm.name}: "
                       f"{episode['requests_per_s']:.2f} req/s, {episode['resent']} resent", flush=True)
