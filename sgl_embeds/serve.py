@@ -42,16 +42,11 @@ import torch
 from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import sglang_serves, split
-from sgl_embeds.vlm.qwen_vl import MODEL_TYPES as NATIVE_FAMILIES  # = image_spans.SERVED_MODEL_TYPES
-from sgl_embeds_srt.family import SPLIT_FAMILIES
+from sgl_embeds_srt.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
 # A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
 CPU_KV_TOKENS = 16384
-SERVED = ("LLaVA-1.5 / LLaVA-NeXT / LLaVA-OneVision (split), Qwen2-VL / Qwen2.5-VL / Qwen3-VL / "
-          "Qwen3.5 (native), and text LLMs that SGLang serves")
-REFUSED = {"qwen3_vl_moe": "Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its "
-                           "config says, and it has not run here"}
 
 
 def on_cpu() -> bool:
@@ -118,19 +113,21 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
     if not config_path.exists():
         raise ServeError(f"{config_path} is missing: CHECKPOINT is an HF checkpoint folder")
     config = json.loads(config_path.read_text())
-    family = config.get("model_type")
+    model_type = config.get("model_type")
+    family = family_of(model_type)
     env = dict(CPU_ENV) if on_cpu() else {}
-    if family in SPLIT_FAMILIES:
+    served_as = family.served_as if family else None
+    if served_as == SPLIT:
         llm = split_dir(checkpoint, progress, make=not dry_run) / "llm"
-        return Launch(family, llm, [*machine_args(), *flags], env)
-    if family in NATIVE_FAMILIES:
-        return Launch(family, checkpoint, [*machine_args(), *family_args(True), *flags], env)
+        return Launch(model_type, llm, [*machine_args(), *flags], env)
+    if served_as == NATIVE:
+        return Launch(model_type, checkpoint, [*machine_args(), *family_args(True), *flags], env)
     arch = (config.get("architectures") or [""])[0]
-    if family not in REFUSED and arch.endswith("ForCausalLM") and sglang_serves(arch):
+    if family is None and arch.endswith("ForCausalLM") and sglang_serves(arch):
         return Launch(None, checkpoint, [*machine_args(), *flags], env)
-    why = f": {REFUSED[family]}" if family in REFUSED else ""
-    raise ServeError(f"{checkpoint}: model_type {family!r} ({arch or 'no architecture'}) is not "
-                     f"served{why}; served: {SERVED}")
+    why = f": {family.refused}" if served_as == REFUSED else ""
+    raise ServeError(f"{checkpoint}: model_type {model_type!r} ({arch or 'no architecture'}) is not "
+                     f"served{why}; served: {served_titles()}")
 
 
 def cache_root() -> Path:

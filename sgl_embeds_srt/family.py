@@ -1,25 +1,100 @@
-"""The model family a server serves, and how: what ``/sgl_embeds/info`` says under ``"model"``
-so that a client loads the vision half that fits it (``sgl_embeds.connect``).
+"""The VLM families sgl_embeds knows, one ``Family`` record each (``FAMILIES``), and what
+``/sgl_embeds/info`` says of the served model under ``"model"`` (``served_model``).
 
-* A LLaVA-family checkpoint is split (``sgl_embeds.vlm.split``) and its LLM served: a plain causal
-  LM to SGLang, which knows the family only from ``FAMILY_FILE``, written by the split beside the
-  LLM's weights (the family, the vision half's folder relative to the LLM's, the image token).
-* A Qwen-VL checkpoint is served natively (``image_spans.VisionSpec``): its family is its
-  ``model_type``, its spans carry their image's grid, and its own folder holds the vision half.
-* Any other model is a text LLM (family None): spans of its hidden size, no vision half.
-
-Both sides import this module (the split writes the file, the plugin reads it): it imports nothing
-of either.
+Both sides read this module (``serve`` and the client's vision halves, the plugin's grid spans):
+it imports nothing of either. A family's code lives in its own module (docs/architecture.md,
+"Adding a family"); everything else asks the record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
+from sgl_embeds_srt.segments import SECONDS_PER_STEP, TIMESTAMPS
+
 FAMILY_FILE = "sgl_embeds_family.json"
-SPLIT_FAMILIES = ("llava", "llava_next", "llava_onevision")
+
+# How a family is served (``Family.served_as``)
+SPLIT = "split"  # its LLM served as a causal LM; tower + projector on the client
+NATIVE = "native"  # the whole checkpoint served by SGLang; its image rows at M-RoPE positions
+REFUSED = "refused"  # known, and refused by name (``Family.refused`` says why)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One VLM family: its HF ``model_type`` (``name``), how it is served, and what its spans
+    need. Read by both sides; a field replaces a branch on family names."""
+
+    name: str  # HF's model_type
+    title: str  # as its model cards write it
+    hf_class: str  # the transformers class of its checkpoints
+    served_as: str  # SPLIT, NATIVE or REFUSED
+    refused: str | None = None  # why, when REFUSED
+    # the any-resolution tiling of a split LLaVA: None (one square image), "anyres" (NeXT:
+    # tiles unpadded, image_newline rows), "anyres_max" (OneVision: and down-scaled past N tiles)
+    tiling: str | None = None
+    mrope: bool = False  # its image rows stand at 3-D rotary positions: a span carries its grid
+    clips: bool = False  # whether a span may be a clip (a video's frames, with a video grid)
+    # the time a clip's span carries, as the family's processor and rope index read it: None
+    # (steps 1 position apart), segments.SECONDS_PER_STEP or segments.TIMESTAMPS
+    clip_time: str | None = None
+    # the family whose vision half (tower, processor, M-RoPE layout) this one's is
+    vision_of: str | None = None
+    hybrid: bool = False  # an LLM of Gated DeltaNet and attention layers (SGLang's mamba state)
+
+    def __post_init__(self) -> None:
+        if self.served_as not in (SPLIT, NATIVE, REFUSED):
+            raise ValueError(f"{self.name}: served_as {self.served_as!r}")
+        if (self.served_as == REFUSED) != (self.refused is not None):
+            raise ValueError(f"{self.name}: a refused family says why, and only it")
+        if self.clip_time not in (None, SECONDS_PER_STEP, TIMESTAMPS):
+            raise ValueError(f"{self.name}: clip_time {self.clip_time!r}")
+
+
+_QWEN_VL = dict(mrope=True, clips=True)  # grid spans at M-RoPE positions, clips with their time
+
+FAMILIES = (
+    Family("llava", "LLaVA-1.5", "LlavaForConditionalGeneration", SPLIT),
+    Family("llava_next", "LLaVA-NeXT", "LlavaNextForConditionalGeneration", SPLIT,
+           tiling="anyres"),
+    Family("llava_onevision", "LLaVA-OneVision", "LlavaOnevisionForConditionalGeneration", SPLIT,
+           tiling="anyres_max"),
+    Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
+    Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
+           clip_time=SECONDS_PER_STEP),
+    Family("qwen3_vl", "Qwen3-VL", "Qwen3VLForConditionalGeneration", NATIVE, **_QWEN_VL,
+           clip_time=TIMESTAMPS),
+    Family("qwen3_5", "Qwen3.5", "Qwen3_5ForConditionalGeneration", NATIVE, **_QWEN_VL,
+           clip_time=TIMESTAMPS, vision_of="qwen3_vl", hybrid=True),
+    Family("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration", NATIVE, **_QWEN_VL,
+           clip_time=TIMESTAMPS, vision_of="qwen3_vl", hybrid=True),
+    Family("qwen3_vl_moe", "Qwen3-VL-MoE", "Qwen3VLMoeForConditionalGeneration", REFUSED,
+           **_QWEN_VL, clip_time=TIMESTAMPS, vision_of="qwen3_vl",
+           refused="Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its config "
+                   "says, and it has not run here"),
+)
+BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def family_of(model_type: str | None) -> Family | None:
+    """The record of ``model_type``; None for a model that is no known VLM (a text LLM)."""
+    return BY_NAME.get(model_type) if model_type else None
+
+
+def names(served_as: str) -> tuple[str, ...]:
+    """The model types served so (SPLIT, NATIVE) or refused (REFUSED), in the table's order."""
+    return tuple(family.name for family in FAMILIES if family.served_as == served_as)
+
+
+def served_titles() -> str:
+    """The served families as a sentence, for errors that list them."""
+    def titles(served_as: str) -> str:
+        return " / ".join(family.title for family in FAMILIES if family.served_as == served_as)
+    return (f"{titles(SPLIT)} ({SPLIT}), {titles(NATIVE)} ({NATIVE}), and text LLMs that SGLang "
+            "serves")
 
 
 def family_file(family: str, vision_dir: str, image_token: str) -> str:
@@ -39,12 +114,12 @@ def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> dict:
     if vision is not None:
         ids = [vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id]
         image, start, end = tokenizer.convert_ids_to_tokens(ids) if tokenizer else (None,) * 3
-        return {"family": vision.model_type, "served_as": "native", "vision_dir": path,
+        return {"family": vision.model_type, "served_as": NATIVE, "vision_dir": path,
                 "grid": True, "merge_size": vision.merge_size,
                 "vision_tokens": {"image": image, "start": start, "end": end}}
     split = _read_family_file(path)
     if split is not None:
-        return {"family": split["family"], "served_as": "split",
+        return {"family": split["family"], "served_as": SPLIT,
                 "vision_dir": os.path.normpath(os.path.join(path, split["vision_dir"])),
                 "grid": False, "merge_size": None,
                 "vision_tokens": {"image": split["image_token"]}}

@@ -41,15 +41,10 @@ from sglang.srt.managers.schedule_batch import (
     MultimodalProcessorOutput,
 )
 
+from sgl_embeds_srt.family import BY_NAME, NATIVE, Family, family_of
 from sgl_embeds_srt.prompt_rows import PromptRows
 from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
-# The VLM families whose image rows we can place exactly (their rope index and embedding path
-# were read and tested against HF); the others are refused by name (docs/vision-encoders.md says
-# why: Qwen3-VL-MoE's LLM adds exactly 3 deepstack layers whatever its config says, and it has
-# not run here).
-SERVED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
-KNOWN_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
 _IDENTITY_TAG = b"sgl_embeds/grid/v4"  # v4: images and clips; content keys of blake3-rows/v3
 
@@ -73,13 +68,18 @@ class VisionSpec:
     def of(cls, hf_config: Any) -> VisionSpec | None:
         """The spec of an M-RoPE VLM's config; None for any other model."""
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in KNOWN_MROPE_MODEL_TYPES:
+        family = family_of(model_type)
+        if family is None or not family.mrope:
             return None
         vision = hf_config.vision_config
         return cls(model_type, hf_config.image_token_id, hf_config.video_token_id,
                    hf_config.vision_start_token_id, hf_config.vision_end_token_id,
                    vision.spatial_merge_size, getattr(vision, "tokens_per_second", None),
                    len(getattr(vision, "deepstack_visual_indexes", None) or ()))
+
+    @property
+    def family(self) -> Family:
+        return BY_NAME[self.model_type]
 
     def span_width(self, hidden_size: int) -> int:
         """The width of an image's span: the LLM's hidden size, times 1 + the deepstack layers."""
@@ -98,13 +98,13 @@ class VisionSpec:
 
     def info(self, hidden_size: int) -> dict:
         """For ``/sgl_embeds/info``: what a client needs to send image spans."""
-        return {"mrope": True, "model_type": self.model_type, "served": self.model_type in SERVED_MODEL_TYPES,
+        return {"mrope": True, "model_type": self.model_type, "served": self.family.served_as == NATIVE,
                 "merge_size": self.merge_size, "image_token_id": self.image_token_id,
                 "video_token_id": self.video_token_id,
                 "vision_start_token_id": self.vision_start_token_id,
                 "vision_end_token_id": self.vision_end_token_id,
                 "deepstack_layers": self.deepstack_layers, "span_width": self.span_width(hidden_size),
-                "video_time": VIDEO_TIME.get(self.model_type)}
+                "video_time": self.family.clip_time}
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,9 @@ def check_grid_span(grid: Grid | None, n_rows: int, spec: VisionSpec | None, bef
             raise ValueError(f"{where}{IMAGE_GRID} and {VIDEO_GRID} are for VLMs served natively with M-RoPE "
                              "(Qwen-VL); this model places rows at 1-D positions: send the span without them")
         return
-    if spec.model_type not in SERVED_MODEL_TYPES:
-        raise ValueError(f"{where}spans are not served on {spec.model_type} models yet (only "
-                         f"{', '.join(SERVED_MODEL_TYPES)}): see docs/vision-encoders.md")
+    if spec.family.served_as != NATIVE:
+        raise ValueError(f"{where}spans are not served on {spec.model_type} models: "
+                         f"{spec.family.refused} (docs/vision-encoders.md)")
     if grid is None:
         raise ValueError(f"{where}this model ({spec.model_type}) places image rows at M-RoPE positions: "
                          f"give the span its {IMAGE_GRID} [t, h, w] (the patch grid before the merge), or a "
@@ -160,27 +160,16 @@ def check_grid_span(grid: Grid | None, n_rows: int, spec: VisionSpec | None, bef
                          "without it the rope index would place the rows as text")
 
 
-# The time a clip's span carries, per family, and why (the family's rope index and processor)
-VIDEO_TIME = {
-    "qwen2_vl": None,  # temporal steps 1 position apart, whatever the frame rate
-    "qwen2_5_vl": SECONDS_PER_STEP,  # steps second_per_grid_t * tokens_per_second positions apart
-    "qwen3_vl": TIMESTAMPS,  # each frame after its time as text, "<1.5 seconds>"
-    "qwen3_5": TIMESTAMPS,  # Qwen3-VL's processor and rope index
-    "qwen3_5_moe": TIMESTAMPS,
-}
-
-
 def _time_wanted(spec: VisionSpec) -> str:
-    wanted = VIDEO_TIME[spec.model_type]
     return {None: "no time field (its steps are 1 position apart)",
             SECONDS_PER_STEP: f"{SECONDS_PER_STEP} (seconds per temporal step)",
-            TIMESTAMPS: f"{TIMESTAMPS} (each temporal step's time in seconds)"}[wanted]
+            TIMESTAMPS: f"{TIMESTAMPS} (each temporal step's time in seconds)"}[spec.family.clip_time]
 
 
 def _check_video_time(grid: Grid, spec: VisionSpec, where: str) -> None:
     given = [name for name, value in ((SECONDS_PER_STEP, grid.second_per_grid_t), (TIMESTAMPS, grid.timestamps))
              if value is not None]
-    wanted = VIDEO_TIME[spec.model_type]
+    wanted = spec.family.clip_time
     if given != ([] if wanted is None else [wanted]):
         raise ValueError(f"{where}a clip on {spec.model_type} takes {_time_wanted(spec)}; got "
                          f"{' and '.join(given) or 'no time field'}")

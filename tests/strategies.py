@@ -9,7 +9,6 @@ import base64
 import torch
 from hypothesis import strategies as st
 
-from sgl_embeds_srt.image_spans import VIDEO_TIME
 from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
 
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
@@ -84,7 +83,7 @@ def grid_spans(draw, info: dict) -> dict:
         h = draw(st.sampled_from([0, -merge, merge + 1]))
     right = max(1, t * h * w // merge**2) if kind != "plain" else draw(st.integers(1, 12))
     fields: dict = {} if kind == "plain" else {IMAGE_GRID if kind == "image" else VIDEO_GRID: [t, h, w]}
-    wanted = VIDEO_TIME.get(vision["model_type"]) if vision and kind == "clip" else None
+    wanted = vision["video_time"] if vision and kind == "clip" else None
     names = [wanted] if wanted else []
     if fault == "time":
         names = draw(st.sampled_from([other for other in TIME_NAMES if other != names] + [names]))

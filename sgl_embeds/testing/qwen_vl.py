@@ -22,6 +22,7 @@ import torch
 
 from sgl_embeds.testing.models import _build_atomically, cache_dir, train_tokenizer
 from sgl_embeds.testing.reference import Greedy, _greedy_from_scores
+from sgl_embeds_srt.family import FAMILIES, NATIVE
 
 QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -33,7 +34,8 @@ IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
 QWEN3_PATCH = 16  # Qwen3-VL's patch size
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet + attention, Qwen3-VL's vision half
+# Gated DeltaNet + attention, Qwen3-VL's vision half
+HYBRID_FAMILIES = tuple(f.name for f in FAMILIES if f.hybrid and f.served_as == NATIVE)
 QWEN3_FAMILIES = ("qwen3_vl", *HYBRID_FAMILIES)  # Qwen3-VL's processor, interleaved M-RoPE
 FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth LLM layer is full attention, the rest linear
 FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)

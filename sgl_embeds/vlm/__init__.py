@@ -25,6 +25,10 @@ from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds.vlm.qwen_vl import QwenVLEncoder
 from sgl_embeds.vlm.tower import CONFIG_NAME, LlavaEncoder, VisionConfig, load_llava_encoder
+from sgl_embeds_srt.family import family_of
+
+# The encoder of each natively served family (a checkpoint folder is its vision half)
+NATIVE_ENCODERS = {name: QwenVLEncoder for name in qwen_vl.TOWERS}
 
 
 def load_encoder(path: str | Path, device: str | torch.device | None = None
@@ -34,12 +38,14 @@ def load_encoder(path: str | Path, device: str | torch.device | None = None
     (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and LLaVA-OneVision)."""
     path = Path(path)
     found = qwen_vl.model_type(path)
-    if found in qwen_vl.MODEL_TYPES:
-        return QwenVLEncoder(path, device=device)
+    if found in NATIVE_ENCODERS:
+        return NATIVE_ENCODERS[found](path, device=device)
     if found is not None:
-        raise ValueError(f"{path} is a {found!r} checkpoint: load_encoder takes a Qwen-VL "
-                         f"checkpoint {qwen_vl.MODEL_TYPES} or the vision/ folder that "
-                         "`python -m sgl_embeds.vlm split` writes from a LLaVA one")
+        family = family_of(found)
+        why = f" ({family.refused})" if family and family.refused else ""
+        raise ValueError(f"{path} is a {found!r} checkpoint{why}: load_encoder takes the checkpoint "
+                         f"of a natively served family {tuple(NATIVE_ENCODERS)} or the vision/ "
+                         "folder that `python -m sgl_embeds.vlm split` writes from a split one")
     config = path / CONFIG_NAME
     if config.exists() and json.loads(config.read_text()).get("format") == anyres.FORMAT:
         return AnyresEncoder(path, device=device)

@@ -43,6 +43,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tiling import Tiling
 from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, place_vision_half, read_vision_dir
+from sgl_embeds_srt.family import family_of
 
 FORMAT = "sgl_embeds.llava_anyres_vision/1"
 # model_type -> the image processors (torchvision, PIL) whose tiling the encoder reproduces
@@ -85,7 +86,7 @@ class AnyresConfig:
             raise ValueError(f"vision_feature_select_strategy={self.select_strategy!r} with a "
                              f"{tower} tower is not supported: its tiles are laid out with "
                              f"{TOWER_STRATEGY[tower]!r} only")
-        if (self.family == "llava_onevision") != (self.vision_aspect_ratio is not None):
+        if (family_of(self.family).tiling == "anyres_max") != (self.vision_aspect_ratio is not None):
             raise ValueError("vision_aspect_ratio goes with llava_onevision checkpoints only")
         if self.vision_aspect_ratio is not None and not _ASPECT_RATIO.fullmatch(
                 self.vision_aspect_ratio):
@@ -148,6 +149,7 @@ def checkpoint_settings(src: Path, config, projector_bias: bool) -> tuple[Anyres
     processor = AutoProcessor.from_pretrained(src)
     image_processor = processor.image_processor
     check_image_processor(family, image_processor)
+    max_tiles = family_of(family).tiling == "anyres_max"  # OneVision: features of N tiles at most
     layers = config.vision_feature_layer
     vision = AnyresConfig(
         family=family, vision_config=config.vision_config.to_dict(),
@@ -157,14 +159,14 @@ def checkpoint_settings(src: Path, config, projector_bias: bool) -> tuple[Anyres
         projector_bias=projector_bias,
         llm_hidden_size=config.text_config.hidden_size,
         pinpoints=tuple(tuple(p) for p in config.image_grid_pinpoints),
-        vision_aspect_ratio=config.vision_aspect_ratio if family == "llava_onevision" else None,
+        vision_aspect_ratio=config.vision_aspect_ratio if max_tiles else None,
         image_token=processor.image_token, image_token_id=config.image_token_id,
     )
     pairs = [("image_grid_pinpoints", image_processor.image_grid_pinpoints, config.image_grid_pinpoints),
              ("vision_feature_select_strategy", processor.vision_feature_select_strategy,
               vision.select_strategy),
              ("image_token_id", processor.image_token_id, vision.image_token_id)]
-    if family == "llava_onevision":
+    if max_tiles:
         pairs.append(("vision_aspect_ratio", processor.vision_aspect_ratio, vision.vision_aspect_ratio))
     for name, theirs, ours in pairs:
         if theirs != ours:

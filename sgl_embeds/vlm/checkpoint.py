@@ -44,13 +44,8 @@ from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
-from sgl_embeds_srt.family import FAMILY_FILE, SPLIT_FAMILIES, family_file
+from sgl_embeds_srt.family import FAMILY_FILE, FAMILIES, SPLIT, Family, family_file, family_of
 
-# model_type -> the transformers class of the checkpoints split can split
-FAMILIES = {"llava": "LlavaForConditionalGeneration",
-            "llava_next": "LlavaNextForConditionalGeneration",
-            "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
-assert tuple(FAMILIES) == SPLIT_FAMILIES  # what the plugin reports as split
 SHARD_BYTES = 4 << 30
 _LLM_FILES = ("generation_config.json",)
 
@@ -61,14 +56,16 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     ``progress``: a progress bar over the language model's tensors (the bulk of the bytes)."""
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
-    family = raw.get("model_type")
-    if family not in FAMILIES:
-        video = " (a video model: videos are not supported)" if "video" in str(family) else ""
-        raise ValueError(f"{src}/config.json: model_type is {family!r}{video}; only "
-                         f"{', '.join(map(repr, FAMILIES))} checkpoints "
-                         f"({', '.join(FAMILIES.values())}) can be split")
+    model_type = raw.get("model_type")
+    family = family_of(model_type)
+    if family is None or family.served_as != SPLIT:
+        video = " (a video model: videos are not supported)" if "video" in str(model_type) else ""
+        splittable = [f for f in FAMILIES if f.served_as == SPLIT]
+        raise ValueError(f"{src}/config.json: model_type is {model_type!r}{video}; only "
+                         f"{', '.join(repr(f.name) for f in splittable)} checkpoints "
+                         f"({', '.join(f.hf_class for f in splittable)}) can be split")
     vision_type = raw.get("vision_config", {}).get("model_type")
-    if family == "llava" and vision_type != "clip_vision_model":
+    if family.tiling is None and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
                          "(clip_vision_model) map onto open_clip")
     try:
@@ -76,11 +73,11 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     except StrictDataclassError as e:  # a value transformers itself refuses, e.g. a strategy
         raise ValueError(f"{src}/config.json: {e}") from None
     arch = _causal_lm_architecture(config.text_config)
-    log(f"[split] {src}: {FAMILIES[family]} with a {vision_type} tower and a {arch} language model")
+    log(f"[split] {src}: {family.hf_class} with a {vision_type} tower and a {arch} language model")
 
     weights = weight_index(src)
     parts = _partition(weights, family)
-    if family == "llava":
+    if family.tiling is None:  # LLaVA-1.5: an open_clip tower, one square image
         vision = _vision_config(src, config, parts.projector)
         image_processor = None
     else:
@@ -95,7 +92,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     tensors = Tensors(weights)
     _write_llm(src, config, arch, tensors, parts.llm, llm_dir, log, progress)
     tower = {k: tensors[full] for k, full in parts.tower.items()}
-    if family == "llava":
+    if family.tiling is None:
         tower = clip_to_open_clip(tower, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
     state.update({f"projector.{k}": tensors[full].contiguous() for k, full in parts.projector.items()})
@@ -106,7 +103,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     template = _processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
-    (llm_dir / FAMILY_FILE).write_text(family_file(family, "../vision", vision.image_token))
+    (llm_dir / FAMILY_FILE).write_text(family_file(family.name, "../vision", vision.image_token))
     if image_processor is None:
         log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width "
             f"{vision.tower.width}), feature layers {list(vision.feature_layers)}, "
@@ -189,7 +186,7 @@ class Parts:
     newline: str | None  # the key of image_newline (any-resolution families only)
 
 
-def _partition(weights: dict[str, Path], family: str) -> Parts:
+def _partition(weights: dict[str, Path], family: Family) -> Parts:
     llm, tower, projector, newline = {}, {}, {}, None
     for key in weights:
         name = key[len("model."):] if key.startswith("model.") and not key.startswith("model.model.") else key
@@ -206,17 +203,17 @@ def _partition(weights: dict[str, Path], family: str) -> Parts:
             tower[rest[len("vision_model."):] if rest.startswith("vision_model.") else rest] = key
         elif name.startswith("multi_modal_projector."):
             projector[name[len("multi_modal_projector."):]] = key
-        elif name == "image_newline" and family != "llava":
+        elif name == "image_newline" and family.tiling is not None:
             newline = key
         else:
             raise ValueError(f"checkpoint key {key!r} belongs to no known part of a "
-                             f"{FAMILIES[family]} model")
+                             f"{family.hf_class} model")
     if not projector:
         raise ValueError("missing projector: the checkpoint has no multi_modal_projector.* weights")
     if not tower:
         raise ValueError("missing vision tower: the checkpoint has no vision_tower.* weights")
-    if family != "llava" and newline is None:
-        raise ValueError(f"missing image_newline: a {FAMILIES[family]} checkpoint needs the row "
+    if family.tiling is not None and newline is None:
+        raise ValueError(f"missing image_newline: a {family.hf_class} checkpoint needs the row "
                          "that closes each row of tile features")
     return Parts(llm, tower, projector, newline)
 

@@ -39,7 +39,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 from sgl_embeds.vision import VisionRows, load_state
-from sgl_embeds_srt.segments import Grid
+from sgl_embeds_srt.family import BY_NAME
+from sgl_embeds_srt.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
 from sgl_embeds.vlm.checkpoint import Tensors, weight_index
 from sgl_embeds.vlm.pixels import BACKENDS
 
@@ -157,13 +158,14 @@ class QwenVLEncoder:
 
 
 def clip_time(model_type: str, n_frames: int, fps: float, temporal_patch: int) -> dict:
-    """A clip's time as the family's processor writes it (``segments.Grid`` fields): Qwen2.5-VL
-    ``second_per_grid_t`` = seconds per temporal step; Qwen3-VL ``timestamps``, each step's
-    time: the mean of its first and last frame's (the last frame repeated to fill a step);
-    Qwen2-VL none (its steps are 1 position apart)."""
-    if model_type == "qwen2_5_vl":
+    """A clip's time as the family's processor writes it (``segments.Grid`` fields; the family's
+    ``clip_time``): ``second_per_grid_t`` = seconds per temporal step (Qwen2.5-VL); ``timestamps``,
+    each step's time: the mean of its first and last frame's, the last frame repeated to fill a
+    step (Qwen3-VL's processor); none (Qwen2-VL: its steps are 1 position apart)."""
+    wanted = BY_NAME[model_type].clip_time
+    if wanted == SECONDS_PER_STEP:
         return {"second_per_grid_t": temporal_patch / fps}
-    if model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):  # Qwen3.5 takes Qwen3-VL's processor
+    if wanted == TIMESTAMPS:
         frames = list(range(n_frames)) + [n_frames - 1] * (-n_frames % temporal_patch)
         seconds = [frame / fps for frame in frames]  # HF's order of operations, for its rounding
         return {"timestamps": tuple((seconds[i] + seconds[i + temporal_patch - 1]) / 2

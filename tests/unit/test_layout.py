@@ -287,3 +287,40 @@ def test_every_sabotage_patch_still_applies():
         # the tests that must catch it (scripts/sabotage.sh, CI's rotation)
         first = patch.read_text().split("\n", 1)[0]
         assert first.startswith("tests: tests/"), f"{patch.name}: its first line must name its tests"
+
+
+# Where a family's name may be written in the packages: its record (the table every other module
+# reads) and its family modules (docs/architecture.md, "Adding a family"); the test builders are
+# test support, not the client
+FAMILY_HOMES = {"sgl_embeds_srt/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
+                "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py"}
+
+
+def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:
+    from sgl_embeds_srt.family import FAMILIES
+
+    names = {family.name for family in FAMILIES}
+    found = []
+    for rel, source in files.items():
+        if rel in FAMILY_HOMES or rel.startswith("sgl_embeds/testing/"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_a_family_is_named_only_by_its_record_and_its_modules():
+    """No branch or table on family names outside ``family.FAMILIES`` and the family's modules:
+    everything else reads the record (``family.family_of``)."""
+    files = {str(p.relative_to(ROOT)): p.read_text() for p in _files()}
+    found = _family_names_outside_their_homes(files)
+    assert not found, "family names outside their record and modules:\n" + "\n".join(found)
+    assert all((ROOT / home).exists() for home in FAMILY_HOMES)
+
+
+def test_a_branch_on_a_family_name_would_be_found():
+    source = 'def f(model_type):\n    return model_type == "qwen2_5_vl"\n'
+    assert _family_names_outside_their_homes({"sgl_embeds_srt/prompts.py": source}) == [
+        "sgl_embeds_srt/prompts.py:2: 'qwen2_5_vl'"]
+    assert not _family_names_outside_their_homes({"sgl_embeds/vlm/qwen_vl.py": source})

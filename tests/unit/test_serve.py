@@ -58,11 +58,22 @@ def test_qwen_vl_is_served_natively_with_the_multimodal_flags(split_cache):
     assert "-m sglang.launch_server --model-path " in line and line.startswith("SGLANG_USE_CPU_ENGINE=1 ")
 
 
-def test_serve_serves_natively_what_the_plugin_serves_natively():
-    from sgl_embeds_srt.image_spans import KNOWN_MROPE_MODEL_TYPES, SERVED_MODEL_TYPES
+def test_every_family_record_has_its_code_on_both_sides():
+    """A native family has a client encoder and grid spans the plugin accepts; a split family is
+    one ``split`` splits; a refused one says why; each record names a transformers class."""
+    import transformers
 
-    assert serve.NATIVE_FAMILIES == SERVED_MODEL_TYPES
-    assert set(KNOWN_MROPE_MODEL_TYPES) - set(SERVED_MODEL_TYPES) == set(serve.REFUSED)
+    from sgl_embeds.vlm import NATIVE_ENCODERS
+    from sgl_embeds.vlm.anyres import IMAGE_PROCESSORS
+
+    assert set(NATIVE_ENCODERS) == set(family.names(family.NATIVE))
+    assert {f.name for f in family.FAMILIES if f.tiling} == set(IMAGE_PROCESSORS)
+    for record in family.FAMILIES:
+        assert hasattr(transformers, record.hf_class), record
+        assert (record.served_as == family.REFUSED) == bool(record.refused)
+        assert record.clip_time is None or record.clips
+        if record.vision_of:
+            assert family.family_of(record.vision_of).served_as == family.NATIVE
 
 
 def test_a_text_llm_is_served_as_it_is(split_cache):
@@ -107,7 +118,7 @@ def test_dry_run_prints_each_familys_launch_line_and_makes_nothing(name, split_c
     model = Path(argv[argv.index("--model-path") + 1])
     assert argv[argv.index("-m") + 1] == "sglang.launch_server" and argv[-2:] == ["--port", "1234"]
     assert ("--enable-multimodal" in argv) == native
-    if family_name in family.SPLIT_FAMILIES:  # the split's folder named, not made
+    if family_name in family.names(family.SPLIT):  # the split's folder named, not made
         assert model.parent.parent == split_cache and model.name == "llm"
         assert f"would be split into {model.parent}" in "\n".join(out) and not split_cache.exists()
     else:
