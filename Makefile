@@ -2,7 +2,7 @@
 # (idempotent: a second run only checks what is installed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick test-portable notebooks bench check-install
+.PHONY: setup demo test test-quick test-portable lint notebooks bench check-install
 
 # `make setup GPU=1`: SGLang with its CUDA dependencies, for a GPU machine (scripts/setup.sh)
 setup:
@@ -28,6 +28,10 @@ test-portable: setup
 
 test-quick: setup
 	$(PY) -m pytest -q -m "not server"
+
+# ruff with pyproject.toml's [tool.ruff] rules (tests/unit/test_lint.py runs it too, so `make test` and CI do)
+lint: setup
+	$(PY) -m ruff check .
 
 # the tutorials in examples/ run and saved with their outputs (tests/examples/test_notebooks.py checks them)
 notebooks: setup

@@ -19,7 +19,6 @@ from collections import Counter
 
 import pytest
 import requests
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -79,4 +79,4 @@ def test_classify_picks_the_label_hf_scores_highest(backend, llama_dir):
     scores = hf_select_scores(llama_dir, [text0.text, span_.rows], rest.text, labels)
     assert_select_scores(state, "label", scores)
     assert state["label"] == labels[max(range(3), key=lambda i: scores[i])], (state["label"], scores)
-    assert len(set(round(s, 3) for s in scores)) == 3  # the scores tell the labels apart
+    assert len({round(s, 3) for s in scores}) == 3  # the scores tell the labels apart

@@ -10,7 +10,6 @@ from ``sgl_embeds_srt`` only the shared modules, which import neither side.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from pathlib import Path
 
