@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
-import open_clip
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -338,6 +337,8 @@ class OpenClipEncoder:
             )
         if tokens not in ("patches", "pooled"):
             raise ValueError(f"tokens must be 'patches' or 'pooled', got {tokens!r}")
+        import open_clip  # ~0.7 s of imports, paid by the programs that build this encoder only
+
         model, _, self.preprocess = open_clip.create_model_and_transforms(model_name,
                                                                           pretrained=None)
         self.tower = model.visual.eval()

@@ -1,55 +1,81 @@
 """Serve a VLM's language model with SGLang and run its vision half here, on the client.
 
-A LLaVA-style VLM (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) is split: ``python -m sgl_embeds.vlm
-split SRC DST`` writes ``DST/llm`` (serve it with SGLang and the plugin) and ``DST/vision``. A
-Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: M-RoPE) is served whole, natively, and its
-checkpoint directory is the vision half's too. ``load_encoder`` takes either (``DST/vision``, or
-the Qwen-VL directory) and gives the
-``VisionEncoder`` to hand to ``EmbedsEndpoint(vision_encoder=...)``, so ``sgl.image(img)`` and
-``sgl.region(box)`` put exactly the rows the VLM would feed its LLM (on Qwen-VL with the
-image's grid). ``image_prompt`` places images where the checkpoint's prompt format puts its image
-token. See docs/vision-encoders.md.
+A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) is split: ``python -m
+sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
+``DST/vision``. A native family's checkpoint (Qwen-VL) is served whole and is its own vision half.
+``load_encoder`` takes either and gives the ``VisionEncoder`` for ``EmbedsEndpoint(
+vision_encoder=...)``. A family's code (its transformers classes among it) is imported when that
+family is first used, not by ``import sgl_embeds``. See docs/vision-encoders.md.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from sgl_embeds.vlm import anyres, qwen_vl
-from sgl_embeds.vlm.anyres import AnyresEncoder
-from sgl_embeds.vlm.checkpoint import split
-from sgl_embeds.vlm.pixels import ImageProcessing
+from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
-from sgl_embeds.vlm.qwen_vl import QwenVLEncoder
-from sgl_embeds.vlm.tower import CONFIG_NAME, LlavaEncoder, VisionConfig, load_llava_encoder
-from sgl_embeds_srt.family import family_of
+from sgl_embeds_srt.family import FAMILIES, NATIVE, family_of
+
+
+def _qwen_vl(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.qwen_vl import QwenVLEncoder  # lazy: the module docstring
+
+    return QwenVLEncoder(path, device=device)
+
+
+def _anyres(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.anyres import AnyresEncoder  # lazy: the module docstring
+
+    return AnyresEncoder(path, device=device)
+
+
+def _llava(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.tower import load_llava_encoder  # lazy: the module docstring
+
+    return load_llava_encoder(path, device)
+
 
 # The encoder of each natively served family (a checkpoint folder is its vision half)
-NATIVE_ENCODERS = {name: QwenVLEncoder for name in qwen_vl.TOWERS}
+NATIVE_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
+    family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
 
 
-def load_encoder(path: str | Path, device: str | torch.device | None = None
-                 ) -> LlavaEncoder | AnyresEncoder | QwenVLEncoder:
-    """The ``VisionEncoder`` of ``path``: a Qwen-VL checkpoint directory (``QwenVLEncoder``
-    with its defaults), or the ``DST/vision`` folder ``split`` writes from a LLaVA one
-    (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and LLaVA-OneVision)."""
+def load_encoder(path: str | Path, device: str | torch.device | None = None) -> Any:
+    """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
+    (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
+    split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
+    LLaVA-OneVision)."""
     path = Path(path)
-    found = qwen_vl.model_type(path)
+    config = path / "config.json"
+    found = json.loads(config.read_text()).get("model_type") if config.exists() else None
     if found in NATIVE_ENCODERS:
-        return NATIVE_ENCODERS[found](path, device=device)
+        return NATIVE_ENCODERS[found](path, device)
     if found is not None:
         family = family_of(found)
         why = f" ({family.refused})" if family and family.refused else ""
         raise ValueError(f"{path} is a {found!r} checkpoint{why}: load_encoder takes the checkpoint "
                          f"of a natively served family {tuple(NATIVE_ENCODERS)} or the vision/ "
                          "folder that `python -m sgl_embeds.vlm split` writes from a split one")
-    config = path / CONFIG_NAME
-    if config.exists() and json.loads(config.read_text()).get("format") == anyres.FORMAT:
-        return AnyresEncoder(path, device=device)
-    return load_llava_encoder(path, device)
+    settings = path / CONFIG_NAME
+    if settings.exists() and json.loads(settings.read_text()).get("format") == ANYRES_FORMAT:
+        return _anyres(path, device)
+    return _llava(path, device)
+
+
+# The rest of the package's names, from their modules, imported when first asked for
+_EXPORTS = {"split": "checkpoint", "LlavaEncoder": "tower", "VisionConfig": "tower",
+            "AnyresEncoder": "anyres", "QwenVLEncoder": "qwen_vl", "ImageProcessing": "pixels"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
 __all__ = ["split", "load_encoder", "LlavaEncoder", "AnyresEncoder", "QwenVLEncoder",

@@ -40,12 +40,12 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
     LlavaOnevisionImageProcessorPil,
 )
 
+from sgl_embeds.vlm.files import ANYRES_FORMAT as FORMAT
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tiling import Tiling
 from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, place_vision_half, read_vision_dir
 from sgl_embeds_srt.family import family_of
 
-FORMAT = "sgl_embeds.llava_anyres_vision/1"
 # model_type -> the image processors (torchvision, PIL) whose tiling the encoder reproduces
 IMAGE_PROCESSORS = {
     "llava_next": (LlavaNextImageProcessor, LlavaNextImageProcessorPil),

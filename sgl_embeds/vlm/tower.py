@@ -24,11 +24,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from sgl_embeds.vision import load_state
+from sgl_embeds.vlm.files import CONFIG_NAME, WEIGHTS_NAME
+from sgl_embeds.vlm.files import LLAVA_FORMAT as FORMAT
 from sgl_embeds.vlm.pixels import ImageProcessing
-
-CONFIG_NAME = "sgl_embeds_vision.json"
-WEIGHTS_NAME = "model.safetensors"
-FORMAT = "sgl_embeds.llava_vision/1"
 
 
 # HF activation names (``hidden_act``, ``projector_hidden_act``) -> a module factory.

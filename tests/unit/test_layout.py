@@ -323,3 +323,26 @@ def test_a_branch_on_a_family_name_would_be_found():
     assert _family_names_outside_their_homes({"sgl_embeds_srt/prompts.py": source}) == [
         "sgl_embeds_srt/prompts.py:2: 'qwen2_5_vl'"]
     assert not _family_names_outside_their_homes({"sgl_embeds/vlm/qwen_vl.py": source})
+
+
+def test_importing_the_client_loads_no_familys_code():
+    """``import sgl_embeds`` (and ``connect``'s module) loads a family's modules, its transformers
+    model classes and open_clip only when a program uses that family."""
+    import subprocess
+    import sys
+
+    from sgl_embeds_srt.family import FAMILIES
+
+    # transformers.models.<name>.modeling_* (its image processors are loaded by transformers itself)
+    towers = ["clip", "siglip", *(family.name for family in FAMILIES)]
+    probe = ("import sys, sgl_embeds, sgl_embeds.vlm\n"
+             f"towers = {towers!r}\n"
+             "print('\\n'.join(m for m in sys.modules if m.split('.')[0] == 'open_clip'\n"
+             "      or m.startswith('transformers.models.') and m.split('.')[2] in towers and '.modeling_' in m\n"
+             "      or m in ('sgl_embeds.vlm.qwen_vl', 'sgl_embeds.vlm.anyres', 'sgl_embeds.vlm.tower')))\n"
+             "from sgl_embeds.vlm import QwenVLEncoder\n"
+             "print('asked', 'sgl_embeds.vlm.qwen_vl' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    *loaded, asked = out.stdout.strip().splitlines()
+    assert loaded == [] and asked == "asked True", out.stdout
