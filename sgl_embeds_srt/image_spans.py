@@ -1,30 +1,12 @@
-"""Spans with a grid (an image's or a clip's), on VLMs that SGLang serves natively with M-RoPE
-(Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
-
-Such a model places an image's rows at 3-D rotary positions (time, height, width) and embeds
-them through SGLang's multimodal path, not through ``positional_embed_overrides`` (its
-``forward`` ignores those: a plain span's rows would be silently lost, so it is refused). A span
-that carries a grid (``segments.Grid``: ``image_grid_thw``, the patch grid before the spatial
-merge, as HF's processor reports it; or a clip's ``video_grid_thw`` with its time) is served as
-an image or a clip:
-
-* HTTP side (``prompts.build_ids``): the image or video pad token at the span's rows (``place``:
-  a Qwen3-VL clip frame by frame, each after its time as text), one precomputed-embedding item
-  per run of rows (``image_inputs``: an image, a clip, a Qwen3-VL clip's frame) whose identity is
-  the span's content key, its grid and time (the same rows with another grid never share KV;
-  SGLang never hashes the rows), and the M-RoPE positions from SGLang's own rope-index code. The
-  rows travel in the prompt's ``prompt_rows.PromptRows`` like any span's, so a span by handle
-  crosses to the scheduler once.
-* Scheduler (``handle_generate_request``): before the request is built, each image's rows move
-  from the rows carrier into its item, and the items become the request's multimodal inputs.
-* Model runner (``get_embedding_and_mask``): precomputed items are embedded as they are, item by
-  item, so the vision tower never runs on them and a batch that mixes them with raw images
-  (whose pixel patches stock code would concatenate with our rows) is served correctly.
+"""Grid spans (an image's or a clip's rows with its ``segments.Grid``) on natively served M-RoPE
+VLMs, on the tokenizer side: their checks, the ids they put in a prompt, and the precomputed
+image items (identity: content key + grid) with the prompt's M-RoPE positions. The scheduler
+moves the rows into the items (``scheduler.handle_generate_request``); the model runner embeds
+them as they are (``model_runner``). docs/architecture.md, "Spans with a grid".
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -32,8 +14,6 @@ from typing import Any, Callable
 
 import torch
 from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
-from sglang.srt.managers.embed_types import PositionalEmbeds
-from sglang.srt.managers.io_struct import MMInputsProcessError
 from sglang.srt.managers.schedule_batch import (
     Modality,
     MultimodalDataItem,
@@ -260,7 +240,8 @@ def image_inputs(ids: list[int], images: list[GridSpan], spec: VisionSpec) -> Mu
         mrope_positions=positions.squeeze(1), mrope_position_delta=delta)
 
 
-def _is_span_item(item: MultimodalDataItem) -> bool:
+def is_span_item(item: MultimodalDataItem) -> bool:
+    """An item ``image_inputs`` made (its rows are a span's, never the tower's)."""
     return bool(item.model_specific_data.get(SPAN_ITEM_KEY))
 
 
@@ -272,71 +253,3 @@ def create_tokenized_object(original: Callable, self: Any, obj: Any, *args: Any,
     if isinstance(prompt_rows, PromptRows) and prompt_rows.images is not None:
         tokenized.mm_inputs = prompt_rows.images
     return tokenized
-
-
-def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``Scheduler.handle_generate_request``: each image item of the request takes
-    its rows (restored by now, ``transport.CrossingRows.reconstruct``) out of the rows carrier, which keeps
-    only the rows of plain spans (none on these models). A request whose rows this scheduler
-    should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
-    images = recv_req.mm_inputs
-    if not isinstance(images, MultimodalProcessorOutput) or not any(map(_is_span_item, images.mm_items)):
-        return original(self, recv_req, *args, **kwargs)
-    prompt_rows = recv_req.positional_embed_overrides
-    recv_req.positional_embed_overrides = None
-    if prompt_rows is None or prompt_rows.embeds is None:
-        missing = getattr(prompt_rows, "missing", "")
-        recv_req.mm_inputs = MMInputsProcessError(f"the rows of image span {missing} are not held here")
-        return original(self, recv_req, *args, **kwargs)
-    row_of = {pos: i for i, pos in enumerate(prompt_rows.positions)}
-    images = copy.copy(images)  # requests of one message may share these objects
-    images.mm_items = [copy.copy(item) for item in images.mm_items]
-    taken: set[int] = set()
-    for item in images.mm_items:
-        if _is_span_item(item):
-            start, end = item.offsets[0]
-            first, last = row_of[start], row_of[end]
-            item.feature = prompt_rows.embeds[first:last + 1]
-            taken.update(range(first, last + 1))
-    recv_req.mm_inputs = images
-    plain = [i for i in range(len(prompt_rows.positions)) if i not in taken]
-    if plain:
-        recv_req.positional_embed_overrides = PositionalEmbeds(
-            prompt_rows.embeds[plain], [prompt_rows.positions[i] for i in plain])
-    return original(self, recv_req, *args, **kwargs)
-
-
-def get_embedding_and_mask(original: Callable, data_embedding_func: Callable, embedding_items: list,
-                           *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``mm_schedule.get_embedding_and_mask``: when our items are among those to
-    embed, embed item by item (ours: their rows as they are; the others through the model's own
-    function, in one call), so the tower never sees our rows."""
-    if any(map(_is_span_item, embedding_items)):
-        data_embedding_func = _per_item(data_embedding_func)
-    return original(data_embedding_func, embedding_items, *args, **kwargs)
-
-
-def _per_item(embed: Callable) -> Callable:
-    def embed_items(items: list) -> list[torch.Tensor]:
-        raw = [item for item in items if not _is_span_item(item)]
-        raw_rows = iter(_split_per_item(embed(raw), raw) if raw else [])
-        return [item.feature if _is_span_item(item) else next(raw_rows) for item in items]
-
-    return embed_items  # a plain function: SGLang then moves every item's feature to the device
-
-
-def _split_per_item(embedding: Any, items: list) -> list[torch.Tensor]:
-    """The model's embedding of ``items``: one tensor per item (it may return them joined)."""
-    if isinstance(embedding, list):
-        return embedding
-    sizes = [sum(end - start + 1 for start, end in item.offsets) for item in items]
-    return list(torch.split(embedding.reshape(-1, embedding.shape[-1]), sizes))
-
-
-def qwen2_vision_init(original: Callable, self: Any, vision_config: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of SGLang's ``Qwen2VisionTransformer.__init__``: a Qwen2-VL config written by
-    transformers 5 names the patch embedding's channels ``in_channels``, where SGLang 0.5.23
-    reads ``in_chans`` (earlier configs have both names' value under ``in_chans``)."""
-    if not hasattr(vision_config, "in_chans"):
-        vision_config.in_chans = vision_config.in_channels
-    return original(self, vision_config, *args, **kwargs)

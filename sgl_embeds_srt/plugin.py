@@ -23,7 +23,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds_srt.cpu import attention, fused
-    from sgl_embeds_srt import engine, image_spans, logprobs, openai, scheduler, transport
+    from sgl_embeds_srt import engine, image_spans, logprobs, model_runner, openai, scheduler, transport
 
     table = {
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
@@ -35,9 +35,9 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.ENGINE_GENERATE: (HookType.AROUND, engine.generate),
         targets.ENGINE_ASYNC_GENERATE: (HookType.AROUND, engine.async_generate),
         targets.CREATE_TOKENIZED_OBJECT: (HookType.AROUND, image_spans.create_tokenized_object),
-        targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, image_spans.handle_generate_request),
-        targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, image_spans.get_embedding_and_mask),
-        targets.QWEN2_VISION_INIT: (HookType.AROUND, image_spans.qwen2_vision_init),
+        targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, scheduler.handle_generate_request),
+        targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, model_runner.get_embedding_and_mask),
+        targets.QWEN2_VISION_INIT: (HookType.AROUND, model_runner.qwen2_vision_init),
         targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
         targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
     }

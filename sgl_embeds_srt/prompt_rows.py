@@ -24,11 +24,14 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 
 @dataclass(frozen=True)
 class SpanRows:
-    """One span of a built prompt: the content key of its rows as sent (None: an in-process
-    caller's rows that are never held), and its row count."""
+    """One span of a prompt's rows: the content key of its rows as sent (None: an in-process
+    caller's rows that are never held), its row count, and, on the trip to the scheduler
+    (``transport.CrossingRows``), whether its rows are in the message (False: the scheduler
+    holds them)."""
 
     content_key: str | None
     n_rows: int
+    sent: bool = True
 
 
 class PromptRows(PositionalEmbeds, array_like=True):

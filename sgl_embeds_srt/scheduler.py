@@ -1,4 +1,5 @@
-"""Scheduler-side hooks: span prompts keep the radix cache, placeholder ids never reach the vocab.
+"""Scheduler-side hooks: span prompts keep the radix cache, placeholder ids never reach the vocab;
+a grid span's rows move into its image item (``handle_generate_request``).
 
 Stock SGLang treats any ``positional_embed_overrides`` as uncacheable (the same ids could carry
 different vectors). Ours cannot collide: every overridden position holds a placeholder id that is
@@ -10,11 +11,17 @@ overrides keep stock behaviour.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
+from sglang.srt.managers.embed_types import PositionalEmbeds
+from sglang.srt.managers.io_struct import MMInputsProcessError
+from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
+
+from sgl_embeds_srt.image_spans import is_span_item
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
-from sgl_embeds_srt.token_ids import first_bad_position
 from sgl_embeds_srt.prompt_rows import SpanPromptRows
+from sgl_embeds_srt.token_ids import first_bad_position
 
 
 def is_span_prompt(req: Any) -> bool:
@@ -84,3 +91,35 @@ def prepare_for_extend(original: Callable, self: Any, *args: Any, **kwargs: Any)
     if self.replace_positions is not None and ids is not None:
         ids.masked_fill_(ids >= PLACEHOLDER_BASE, 0)
     return result
+
+
+def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``Scheduler.handle_generate_request``: each image item of the request takes
+    its rows (restored by now, ``transport.CrossingRows.reconstruct``) out of the rows carrier, which keeps
+    only the rows of plain spans (none on these models). A request whose rows this scheduler
+    should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
+    images = recv_req.mm_inputs
+    if not isinstance(images, MultimodalProcessorOutput) or not any(map(is_span_item, images.mm_items)):
+        return original(self, recv_req, *args, **kwargs)
+    prompt_rows = recv_req.positional_embed_overrides
+    recv_req.positional_embed_overrides = None
+    if prompt_rows is None or prompt_rows.embeds is None:
+        missing = getattr(prompt_rows, "missing", "")
+        recv_req.mm_inputs = MMInputsProcessError(f"the rows of image span {missing} are not held here")
+        return original(self, recv_req, *args, **kwargs)
+    row_of = {pos: i for i, pos in enumerate(prompt_rows.positions)}
+    images = copy.copy(images)  # requests of one message may share these objects
+    images.mm_items = [copy.copy(item) for item in images.mm_items]
+    taken: set[int] = set()
+    for item in images.mm_items:
+        if is_span_item(item):
+            start, end = item.offsets[0]
+            first, last = row_of[start], row_of[end]
+            item.feature = prompt_rows.embeds[first:last + 1]
+            taken.update(range(first, last + 1))
+    recv_req.mm_inputs = images
+    plain = [i for i in range(len(prompt_rows.positions)) if i not in taken]
+    if plain:
+        recv_req.positional_embed_overrides = PositionalEmbeds(
+            prompt_rows.embeds[plain], [prompt_rows.positions[i] for i in plain])
+    return original(self, recv_req, *args, **kwargs)

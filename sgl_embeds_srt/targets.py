@@ -93,14 +93,14 @@ PATCHED: dict[str, Guard] = {
     LAUNCH_SERVER: server(fp="5d31a0080f07c45c"),
     ENGINE_GENERATE: server("tokenizer_manager.generate_request", fp="be5f68cffd34d267"),
     ENGINE_ASYNC_GENERATE: server("tokenizer_manager.generate_request", fp="637a92600005087e"),
-    # image spans (image_spans.py): items handed over as processed multimodal inputs, their rows
-    # moved in before the Req is built, embedded item by item
+    # grid spans: items handed over as processed multimodal inputs (image_spans.py), their rows
+    # moved in before the Req is built (scheduler.py), embedded item by item (model_runner.py)
     CREATE_TOKENIZED_OBJECT: server("mm_inputs=mm_inputs", "positional_embed_overrides", fp="a31975898450d2ab"),
     HANDLE_GENERATE_REQUEST: server("recv_req.mm_inputs", "_handle_generate_request", fp="b41817b2226eecbe"),
     GET_EMBEDDING_AND_MASK: server("_get_precomputed_embedding", "_get_chunked_prefill_embedding",
                                    "data_embedding_func", fp="c7a8f00f9d06b197"),
     # Qwen2-VL checkpoints written by transformers 5 name the channels in_channels; SGLang reads
-    # in_chans (image_spans.qwen2_vision_init gives it the value)
+    # in_chans (model_runner.qwen2_vision_init gives it the value)
     QWEN2_VISION_INIT: server("vision_config.in_chans", fp="ab85a3c8256d1db7"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
     # its Triton kernel, which asks CUDA for the SM count; cpu.fused.rms_norm_gated computes it

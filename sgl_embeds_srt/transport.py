@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -44,28 +44,18 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 from sgl_embeds_srt.handles import budget_bytes
 from sgl_embeds_srt.keys import raw_bytes
 from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
-from sgl_embeds_srt.prompt_rows import PromptRows
-
-
-@dataclass(frozen=True)
-class CrossingSpan:
-    """One span of a prompt's rows on the trip: its content key (None: never held), its row
-    count, and whether its rows are sent in this message (False: the scheduler holds them)."""
-
-    content_key: str | None
-    n_rows: int
-    sent: bool = True
+from sgl_embeds_srt.prompt_rows import PromptRows, SpanRows
 
 
 class CrossingRows(PositionalEmbeds, array_like=True):
     """A prompt's rows as they cross to the scheduler: SGLang's ``PositionalEmbeds`` whose rows
-    are a sequence of spans, one ``CrossingSpan`` each, in prompt order; ``embeds`` holds the rows
+    are a sequence of spans, one ``prompt_rows.SpanRows`` each, in prompt order; ``embeds`` holds the rows
     of the spans sent, back to back. ``sender`` names the HTTP process and ``released`` lists the
     content keys it no longer holds. In the scheduler, ``reconstruct`` puts back the held rows;
     ``missing`` is set, and ``embeds`` is None, when the scheduler does not hold a span it was
     told it holds."""
 
-    spans: list[CrossingSpan] = []
+    spans: list[SpanRows] = []
     sender: str = ""
     released: list[str] = []
     missing: str = ""
@@ -249,7 +239,7 @@ class RowsTransport:
                     newly_held.append(span.content_key)
             else:
                 self.rows_left_out += span.n_rows
-            spans.append(CrossingSpan(span.content_key, span.n_rows, sent))
+            spans.append(replace(span, sent=sent))
         # a span let go and crossing again is held again: not released (the scheduler releases
         # after use)
         released = [h for h in self._released if h not in self._held]

@@ -19,7 +19,7 @@ from sglang.srt.managers import mm_schedule, mm_utils  # noqa: E402  (after the 
 from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs  # noqa: E402
 from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
-from sgl_embeds_srt import image_spans  # noqa: E402
+from sgl_embeds_srt import image_spans, model_runner  # noqa: E402
 from sgl_embeds_srt.segments import Grid  # noqa: E402
 
 HIDDEN, VOCAB, IMAGE_TOKEN = 64, 100, 11
@@ -81,7 +81,7 @@ def embed(requests: list[tuple[list[MultimodalDataItem], int, int]]) -> torch.Te
 def with_our_hook(monkeypatch):
     stock = mm_schedule.get_embedding_and_mask
     monkeypatch.setattr(mm_utils, "get_embedding_and_mask",
-                        lambda *a, **k: image_spans.get_embedding_and_mask(stock, *a, **k))
+                        lambda *a, **k: model_runner.get_embedding_and_mask(stock, *a, **k))
 
 
 def test_stock_sglang_fails_on_a_mixed_batch():
