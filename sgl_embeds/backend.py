@@ -27,6 +27,7 @@ from sgl_embeds.writer import HeldSpans, SpanWriter
 from sgl_embeds_srt import binary_body
 from sgl_embeds_srt import segments as seg
 from sgl_embeds_srt import wire
+from sgl_embeds_srt.info import ServerInfo
 
 # The server sends a null input-logprob entry for a span row (a row has no token, so no logprob
 # and no text). Stock select() reads every entry of the last prompt positions: it averages their
@@ -71,13 +72,13 @@ class EmbedsEndpoint(RuntimeEndpoint):
         if info is None:
             raise RuntimeError(f"{base_url} does not run the sgl_embeds plugin "
                                "(no 'sgl_embeds' in /get_model_info)")
-        self.server_info = info
-        self.hidden_size: int = info["hidden_size"]
+        self.server_info = ServerInfo.from_json(info)
+        self.hidden_size: int = self.server_info.hidden_size
         # a span's row width: the hidden size, with a Qwen3-VL's deepstack rows after it
-        self.span_width: int = info.get("span_width", self.hidden_size)
+        self.span_width: int = self.server_info.span_width
         writer = SpanWriter(self.span_width, wire_format, wire_dtype, HeldSpans() if span_handles else None)
         takes_binary = (send_binary and wire_format == "base64"
-                        and info.get("binary_body") == binary_body.CONTENT_TYPE)
+                        and self.server_info.binary_body == binary_body.CONTENT_TYPE)
         # the stock calls' address (RuntimeEndpoint.base_url) is the sender's too
         self.sender = SpanSender(lambda: self.base_url, writer, takes_binary, api_key=api_key, verify=verify)
 

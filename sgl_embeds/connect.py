@@ -24,6 +24,7 @@ from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vision import encode_region
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.vlm.prompt import model_chat_template
+from sgl_embeds_srt.info import ServedModel
 
 # A small grey image: what an encoder that does not state its fit is run on once, to see it
 PROBE_IMAGE_SIZE = (64, 64)
@@ -39,11 +40,7 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
     object, SGLang's (``chat_template_name``)."""
     device = endpoint_options.pop("device", None)
     backend = EmbedsEndpoint(url, **endpoint_options)
-    served = backend.server_info.get("model")
-    if served is None:
-        raise RuntimeError(f"{url} runs an sgl_embeds plugin without the served model's family "
-                           "in /sgl_embeds/info (an older version): pass vision_encoder= to "
-                           "EmbedsEndpoint yourself")
+    served = backend.server_info.model
     if vision is None:
         vision = _served_vision_dir(url, served)
     folder = vision if isinstance(vision, (str, Path)) else None
@@ -63,15 +60,15 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
     return backend
 
 
-def _served_vision_dir(url: str, served: dict) -> str | None:
-    path = served["vision_dir"]
+def _served_vision_dir(url: str, served: ServedModel) -> str | None:
+    path = served.vision_dir
     if path is None or Path(path).is_dir():
         return path
     raise ValueError(f"{url} serves {_describe(served)} whose vision half is at {path} on the "
                      "server's machine, not here: pass vision=<a copy of that folder>")
 
 
-def fit_error(encoder: Any, served: dict, span_width: int) -> str | None:
+def fit_error(encoder: Any, served: ServedModel, span_width: int) -> str | None:
     """Why ``encoder``'s rows do not fit the served model (see the module docstring), naming what
     would fit; None when they do. An encoder that does not state its ``family`` and
     ``span_width`` (ours do) is run once on a small image to read its width and grid."""
@@ -83,29 +80,29 @@ def fit_error(encoder: Any, served: dict, span_width: int) -> str | None:
     else:
         grid = getattr(encoder, "merge_size", None) is not None
     fits = _what_fits(served, span_width)
-    if family is not None and served["family"] is not None and family != served["family"]:
+    if family is not None and served.family is not None and family != served.family:
         return f"it is the vision half of a {family} model, the server serves {_describe(served)}; {fits}"
     if width != span_width:
         return f"its rows are [n, {width}], the server's spans are [n, {span_width}]; {fits}"
-    if grid != served["grid"]:
+    if grid != served.grid:
         have = "carry an image grid (image_grid_thw)" if grid else "carry no image grid"
-        want = "needs one (M-RoPE)" if served["grid"] else "takes none"
+        want = "needs one (M-RoPE)" if served.grid else "takes none"
         return f"its rows {have}, the server {want}; {fits}"
     merge = getattr(encoder, "merge_size", None)
-    if served["grid"] and merge is not None and merge != served["merge_size"]:
-        return f"its merge size is {merge}, the server's {served['merge_size']}; {fits}"
+    if served.grid and merge is not None and merge != served.merge_size:
+        return f"its merge size is {merge}, the server's {served.merge_size}; {fits}"
     return None
 
 
-def _describe(served: dict) -> str:
-    if served["family"] is None:
+def _describe(served: ServedModel) -> str:
+    if served.family is None:
         return "a text LLM"
-    return f"a {served['family']} model ({served['served_as']})"
+    return f"a {served.family} model ({served.served_as})"
 
 
-def _what_fits(served: dict, span_width: int) -> str:
-    if served["vision_dir"] is None:
+def _what_fits(served: ServedModel, span_width: int) -> str:
+    if served.vision_dir is None:
         return (f"what fits: an encoder of [n, {span_width}] rows without a grid, e.g. "
                 "OpenClipEncoder with the LLM's projector")
     return (f"what fits: connect(url) (the server's own vision half), or "
-            f"vision={served['vision_dir']!r}")
+            f"vision={served.vision_dir!r}")

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_embeds_srt.info import TEXT, ServedModel
 from sgl_embeds_srt.segments import SECONDS_PER_STEP, TIMESTAMPS
 
 FAMILY_FILE = "sgl_embeds_family.json"
@@ -103,28 +104,21 @@ def family_file(family: str, vision_dir: str, image_token: str) -> str:
                       indent=2)
 
 
-def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> dict:
-    """What ``/sgl_embeds/info`` says of the served model: ``family``, ``served_as`` (``"split"``,
-    ``"native"`` or ``"text"``), ``vision_dir`` (the vision half's folder, absolute, on the
-    server's machine; None for a text LLM), ``grid`` (whether an image's span carries
-    ``image_grid_thw``), ``merge_size`` and ``vision_tokens`` (what a prompt writes around an
-    image: ``image``, and on Qwen-VL ``start`` / ``end``). ``vision``: the native VLM's
-    ``VisionSpec`` or None."""
+def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> ServedModel:
+    """What ``/sgl_embeds/info`` says of the served model. ``vision``: the native VLM's
+    ``image_spans.VisionSpec`` or None; a split LLM is known by its ``FAMILY_FILE``."""
     path = os.path.abspath(model_path) if model_path and os.path.isdir(model_path) else None
     if vision is not None:
         ids = [vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id]
         image, start, end = tokenizer.convert_ids_to_tokens(ids) if tokenizer else (None,) * 3
-        return {"family": vision.model_type, "served_as": NATIVE, "vision_dir": path,
-                "grid": True, "merge_size": vision.merge_size,
-                "vision_tokens": {"image": image, "start": start, "end": end}}
+        return ServedModel(vision.model_type, NATIVE, path, grid=True, merge_size=vision.merge_size,
+                           vision_tokens={"image": image, "start": start, "end": end})
     split = _read_family_file(path)
     if split is not None:
-        return {"family": split["family"], "served_as": SPLIT,
-                "vision_dir": os.path.normpath(os.path.join(path, split["vision_dir"])),
-                "grid": False, "merge_size": None,
-                "vision_tokens": {"image": split["image_token"]}}
-    return {"family": None, "served_as": "text", "vision_dir": None, "grid": False,
-            "merge_size": None, "vision_tokens": {}}
+        vision_dir = os.path.normpath(os.path.join(path, split["vision_dir"]))
+        return ServedModel(split["family"], SPLIT, vision_dir, grid=False, merge_size=None,
+                           vision_tokens={"image": split["image_token"]})
+    return ServedModel(None, TEXT, None, grid=False, merge_size=None, vision_tokens={})
 
 
 def _read_family_file(path: str | None) -> dict | None:

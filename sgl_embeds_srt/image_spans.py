@@ -22,6 +22,7 @@ from sglang.srt.managers.schedule_batch import (
 )
 
 from sgl_embeds_srt.family import BY_NAME, NATIVE, Family, family_of
+from sgl_embeds_srt.info import VisionInfo
 from sgl_embeds_srt.prompt_rows import PromptRows
 from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
@@ -76,15 +77,14 @@ class VisionSpec:
                 "which the LLM adds after its first layers; without them it is another model. Got width "
                 f"{width}")
 
-    def info(self, hidden_size: int) -> dict:
+    def info(self, hidden_size: int) -> VisionInfo:
         """For ``/sgl_embeds/info``: what a client needs to send image spans."""
-        return {"mrope": True, "model_type": self.model_type, "served": self.family.served_as == NATIVE,
-                "merge_size": self.merge_size, "image_token_id": self.image_token_id,
-                "video_token_id": self.video_token_id,
-                "vision_start_token_id": self.vision_start_token_id,
-                "vision_end_token_id": self.vision_end_token_id,
-                "deepstack_layers": self.deepstack_layers, "span_width": self.span_width(hidden_size),
-                "video_time": self.family.clip_time}
+        return VisionInfo(
+            mrope=True, model_type=self.model_type, served=self.family.served_as == NATIVE,
+            merge_size=self.merge_size, image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id, vision_start_token_id=self.vision_start_token_id,
+            vision_end_token_id=self.vision_end_token_id, deepstack_layers=self.deepstack_layers,
+            span_width=self.span_width(hidden_size), video_time=self.family.clip_time)
 
 
 @dataclass(frozen=True)

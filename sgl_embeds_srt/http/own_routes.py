@@ -20,6 +20,7 @@ import orjson
 
 from sgl_embeds_srt import binary_body, family, handles, keys, parse, transport, wire
 from sgl_embeds_srt.http import asgi
+from sgl_embeds_srt.info import ServerInfo
 
 PREFIX = "/sgl_embeds/"
 INFO_PATH = "/sgl_embeds/info"
@@ -27,24 +28,20 @@ MODEL_INFO_PATH, MODEL_INFO_KEY = "/get_model_info", "sgl_embeds"
 
 
 def info(store: handles.SpanStore) -> dict:
-    """What a client needs to check spans before sending them."""
+    """What a client needs to check spans before sending them (``info.ServerInfo``, as JSON)."""
     spec = asgi.server_spec()
-    return {
-        "hidden_size": spec.hidden_size, "dtype": str(spec.dtype).removeprefix("torch."),
-        "vocab_size": spec.vocab_size, "context_len": spec.context_len,
-        "max_span_bytes": parse.max_span_bytes(), "wire_dtypes": sorted(wire.DTYPES),
-        # a body may be binary (binary_body.py), and handles are keys.content_key of this scheme
-        "binary_body": binary_body.CONTENT_TYPE, "key_scheme": keys.KEY_SCHEME,
-        "sglang_version": version("sglang"), "sgl_embeds_version": version("sgl_embeds"),
-        "span_store": store.stats(),  # of this HTTP process (one per tokenizer worker)
-        "rows_to_scheduler": transport.stats(),  # kept spans' rows go to the scheduler once
-        "http_worker_pid": os.getpid(),
-        # an M-RoPE VLM served natively: spans carry image_grid_thw (image_spans.py); else None
-        "vision": spec.vision.info(spec.hidden_size) if spec.vision is not None else None,
-        "span_width": spec.span_width,  # a span's row width: hidden_size, with deepstack rows on Qwen3-VL
-        # the family served and where its vision half lies (sgl_embeds.connect loads it)
-        "model": family.served_model(spec.model_path, spec.vision, spec.tokenizer),
-    }
+    return ServerInfo(
+        hidden_size=spec.hidden_size, dtype=str(spec.dtype).removeprefix("torch."),
+        vocab_size=spec.vocab_size, context_len=spec.context_len,
+        max_span_bytes=parse.max_span_bytes(), wire_dtypes=sorted(wire.DTYPES),
+        binary_body=binary_body.CONTENT_TYPE, key_scheme=keys.KEY_SCHEME,
+        sglang_version=version("sglang"), sgl_embeds_version=version("sgl_embeds"),
+        span_store=store.stats(), rows_to_scheduler=transport.stats(),
+        http_worker_pid=os.getpid(),
+        vision=spec.vision.info(spec.hidden_size) if spec.vision is not None else None,
+        span_width=spec.span_width,
+        model=family.served_model(spec.model_path, spec.vision, spec.tokenizer),
+    ).to_json()
 
 
 async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, receive: Callable,

@@ -16,6 +16,7 @@ import torch
 from sgl_embeds_srt import binary_body, handles, http, parse, wire
 from sgl_embeds_srt.prompts import ModelSpec
 from sgl_embeds_srt.http import asgi, middleware, own_routes
+from sgl_embeds_srt.info import ServerInfo
 
 BINARY = [(b"content-type", binary_body.CONTENT_TYPE.encode())]
 
@@ -215,6 +216,19 @@ def test_info_advertises_the_binary_body_and_the_key_scheme(monkeypatch):
     info = own_routes.info(handles.SpanStore(1 << 20))
     assert info["binary_body"] == "application/x-sgl-embeds" and info["key_scheme"] == "blake3-rows/v3"
     assert info["span_width"] == 8 and info["vision"] is None  # a text model: a span is [n, hidden]
+
+
+def test_the_info_message_reads_back_as_written_and_names_what_is_missing(monkeypatch):
+    spec = ModelSpec(8, torch.float32, 100, 64, None)
+    monkeypatch.setattr(asgi, "server_spec", lambda: spec)
+    monkeypatch.setattr(own_routes.transport, "stats", lambda: None)
+    message = orjson.loads(orjson.dumps(own_routes.info(handles.SpanStore(1 << 20))))  # as it travels
+    read = ServerInfo.from_json({**message, "added_later": 1})  # a newer server's field is ignored
+    assert read.to_json() == message and read.model.served_as == "text" and read.span_width == 8
+    with pytest.raises(ValueError, match=r"lacks key_scheme, span_width: the server runs another version"):
+        ServerInfo.from_json({k: v for k, v in message.items() if k not in ("key_scheme", "span_width")})
+    with pytest.raises(ValueError, match="its model lacks grid"):
+        ServerInfo.from_json({**message, "model": {k: v for k, v in message["model"].items() if k != "grid"}})
 
 
 def _read(chunks: list[bytes], headers: list, limit: int = 1 << 20, disconnect: bool = False):

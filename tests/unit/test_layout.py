@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT, SERVER = "sgl_embeds", "sgl_embeds_srt"
-SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "binary_body", "lru", "keys", "targets", "family")}
+SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "binary_body", "lru", "keys", "targets", "family", "info")}
 SHARED |= {SERVER}
 
 

@@ -179,7 +179,7 @@ def test_a_program_and_run_send_image_spans(qwen_vl_spans_server, qwen_vl_dir):
     image = sample_images()["disc"]
     rows, grid = image_rows(qwen_vl_dir, image)
     backend = EmbedsEndpoint(qwen_vl_spans_server.url)
-    assert backend.server_info["vision"]["merge_size"] == 2
+    assert backend.server_info.vision.merge_size == 2
 
     @sgl.function
     def ask_image(s, rows, grid):

@@ -21,25 +21,25 @@ IMAGE = helpers.random_image(96, 80, seed=3)
 def test_a_llava_served_by_serve_answers_like_hf_through_connect(llava_llama_server, llava_llama):
     checkpoint, split_dir = llava_llama
     backend = sgl_embeds.connect(llava_llama_server.url, device="cpu")
-    served = backend.server_info["model"]
-    assert (served["family"], served["served_as"], served["grid"]) == ("llava", "split", False)
-    assert "serve-cache" in served["vision_dir"]  # serve's own split, not the tests'
+    served = backend.server_info.model
+    assert (served.family, served.served_as, served.grid) == ("llava", "split", False)
+    assert "serve-cache" in served.vision_dir  # serve's own split, not the tests'
     assert isinstance(backend.vision_encoder, LlavaEncoder)
     assert backend.vision_encoder.identity == load_encoder(split_dir / "vision").identity
     harness = LlavaHarness("llava_llama", checkpoint, split_dir, llava_llama_server, backend)
-    text = render_chat(served["vision_dir"], question("what is in the picture"))
+    text = render_chat(served.vision_dir, question("what is in the picture"))
     harness.check(harness.run(text, [IMAGE]), text, [IMAGE], "serve + connect")
 
 
 def test_a_qwen_vl_served_by_serve_answers_like_hf_through_connect(qwen_vl_server, qwen_vl_dir):
     backend = sgl_embeds.connect(qwen_vl_server.url, device="cpu")
-    served = backend.server_info["model"]
-    assert (served["family"], served["served_as"], served["grid"]) == ("qwen2_5_vl", "native", True)
-    assert served["vision_dir"] == str(qwen_vl_dir)
-    assert served["vision_tokens"] == {"image": "<|image_pad|>", "start": "<|vision_start|>",
+    served = backend.server_info.model
+    assert (served.family, served.served_as, served.grid) == ("qwen2_5_vl", "native", True)
+    assert served.vision_dir == str(qwen_vl_dir)
+    assert served.vision_tokens == {"image": "<|image_pad|>", "start": "<|vision_start|>",
                                        "end": "<|vision_end|>"}
     assert isinstance(backend.vision_encoder, QwenVLEncoder)
-    text = render_chat(served["vision_dir"], question("describe the image"))
+    text = render_chat(served.vision_dir, question("describe the image"))
     assert text == chat_text(qwen_vl_dir, "describe the image", 1)  # the processor's own
     assert_matches_hf(run_program(backend, text, [IMAGE]), qwen_vl_dir, text, [IMAGE], "serve + connect")
 

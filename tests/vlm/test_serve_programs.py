@@ -162,8 +162,8 @@ def test_each_program_on_each_family_writes_the_models_prompt_and_answers_like_h
     calls = sgl_embeds.compile_program(case.program, like=backend, **case.arguments)
     call = calls[case.pick(calls, encoder)]
     text = _text(call, encoder.image_token)
-    vision_dir = backend.server_info["model"]["vision_dir"]
-    if backend.server_info["model"]["served_as"] == "split":
+    vision_dir = backend.server_info.model.vision_dir
+    if backend.server_info.model.served_as == "split":
         assert "serve-cache" in vision_dir  # split by `sgl_embeds serve` (conftest.py), not by the tests
     assert text == render_chat(vision_dir, case.messages) + case.after, f"{name} on {family}: {text!r}"
     checkpoint = fam.checkpoint()
