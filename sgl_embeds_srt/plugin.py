@@ -3,6 +3,8 @@
 SGLang calls ``register()`` in each of its processes (server, scheduler, detokenizer); the HTTP
 hook is registered only in the main process, where the HTTP app lives. The table of hooks is
 ``hook_table``: target (see ``targets.py`` for the guard of each) -> (hook type, our function).
+The CPU-only hooks are the opt-in CPU plugin's (``sgl_embeds_cpu.plugin.hook_table``); their
+guards are checked here with every other server guard.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     (Imported here, not at module level: the plugin loads before SGLang's modules are ready.)"""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds_srt.cpu import attention, fused
     from sgl_embeds_srt import engine, image_spans, logprobs, model_runner, openai, scheduler, transport
 
     table = {
@@ -38,11 +39,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, scheduler.handle_generate_request),
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, model_runner.get_embedding_and_mask),
         targets.QWEN2_VISION_INIT: (HookType.AROUND, model_runner.qwen2_vision_init),
-        targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
-        targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
     }
-    if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
-        table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)
     if http:
         from sgl_embeds_srt import http as http_side
 

@@ -12,8 +12,9 @@ launch (``plugin.py``), the client's ``install()`` into a failed ``import sgl_em
 SGLang upgrade, ``python -m sgl_embeds_srt.targets`` lists what changed and the new fingerprints
 to record once each change is reviewed.
 
-``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server,
-``sgl_embeds.hooks.hook_table`` on the client; a test keeps both equal to this table).
+``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server, with the CPU
+plugin's ``sgl_embeds_cpu.plugin.hook_table``; ``sgl_embeds.hooks.hook_table`` on the client; a
+test keeps them equal to this table).
 ``RELIED_ON``: internals we call, read, subclass or patch by other means (said on each line).
 """
 
@@ -103,11 +104,11 @@ PATCHED: dict[str, Guard] = {
     # in_chans (model_runner.qwen2_vision_init gives it the value)
     QWEN2_VISION_INIT: server("vision_config.in_chans", fp="ab85a3c8256d1db7"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
-    # its Triton kernel, which asks CUDA for the SM count; cpu.fused.rms_norm_gated computes it
+    # its Triton kernel, which asks CUDA for the SM count; sgl_embeds_cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
                                   fp="e2927c7b3f0b4173"),
     # Qwen3.5-MoE's shared-expert gate (Qwen2MoeSparseMoeBlock.forward, use_fused_gate unless
-    # AMX): a Triton launch, which finds no driver on CPU; cpu.fused.gate_sigmoid_mul computes it
+    # AMX): a Triton launch, which finds no driver on CPU; sgl_embeds_cpu.fused.gate_sigmoid_mul computes it
     GATE_SIGMOID_MUL: server("_fused_gate_sigmoid_mul_add_kernel", "do_add", fp="c87c9d4e8809146c"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
@@ -122,6 +123,12 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.plugins.load_plugins": server("except Exception", "apply_hooks", fp="4af6a54c7fd56378"),
     "sglang.launch_server": server("load_plugins()"),  # its __main__ loads plugins first
     f"{_ENGINE}.__init__": server("load_plugins()", fp="6458fa9b0cefacef"),
+    # -- where the CPU kernels turn on (sgl_embeds_cpu.plugin.activate, a platform entry point):
+    #    each SGLang process resolves its platform on importing sglang.srt.utils.common, before
+    #    any module imports sgl_kernel, and resolving calls every platform plugin
+    "sglang.srt.utils.common": server("from sglang.srt.platforms import current_platform"),
+    "sglang.srt.platforms._resolve_platform": server("load_plugins_by_group(PLATFORM_PLUGINS_GROUP)",
+                                                     "plugin_fn()", fp="8ca8abb3c0bf53dd"),
     # -- HTTP process: our middleware goes innermost in SGLang's app (starlette builds the
     #    stack from user_middleware at the first request, after launch_server's hook ran)
     f"{_HTTP}.app": server(),

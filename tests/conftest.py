@@ -17,6 +17,15 @@ spans on a Qwen-VL server), ``engine_probe.py``.
 from __future__ import annotations
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # this process imports SGLang's CPU path (unit tests, test helpers that start an Engine), and
+    # the servers and children it starts inherit the opt-in: the CPU kernels on, before SGLang's
+    # first import (sgl_embeds_cpu/plugin.py)
+    from sgl_embeds_cpu import plugin as cpu_plugin
+
+    cpu_plugin.turn_on()
 
 from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir

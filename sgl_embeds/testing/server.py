@@ -369,10 +369,15 @@ class Gateway:
 
 
 def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
-    """An in-process ``sglang.Engine`` with the same launch defaults."""
-    os.environ.update({k: v for k, v in cpu_env().items() if k.startswith(("SGLANG_", "HF_", "TRANSFORMERS_"))})
+    """An in-process ``sglang.Engine`` with the same launch defaults; on CPU this process and the
+    ones the Engine starts run with the CPU kernels on."""
+    os.environ.update({k: v for k, v in cpu_env().items()
+                       if k.startswith(("SGLANG_", "SGL_EMBEDS_CPU_", "HF_", "TRANSFORMERS_"))})
     opts: dict[str, Any] = dict(model_path=str(model_dir), dtype=dtype, log_level="error")
     if on_cpu():
+        from sgl_embeds_cpu import plugin  # SGLang may have resolved its platform here before the opt-in
+
+        plugin.turn_on()
         opts.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                     disable_overlap_schedule=True, sleep_on_idle=True, max_total_tokens=CPU_KV_TOKENS)
     opts.update(kwargs)

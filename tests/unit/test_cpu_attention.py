@@ -6,7 +6,7 @@ import pytest
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sgl_embeds_srt.cpu.attention import sdpa_forward_extend
+from sgl_embeds_cpu.attention import sdpa_forward_extend
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from sgl_embeds_srt.cpu import fused, gdn
+from sgl_embeds_cpu import fused, gdn
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from sgl_embeds_srt.cpu import kernels
+from sgl_embeds_cpu import kernels, plugin
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness
@@ -42,45 +42,75 @@ def test_copy_all_layer_kv_cache_matches_reference_including_overlap():
 
 
 def test_unimplemented_op_raises_naming_the_op():
-    from sgl_embeds_srt.cpu.kernels import decode_attention_cpu  # any name imports
+    from sgl_embeds_cpu.kernels import decode_attention_cpu  # any name imports
 
     with pytest.raises(NotImplementedError, match="sgl_kernel.decode_attention_cpu"):
         decode_attention_cpu(1, 2)
 
 
-def _run(code: str, path_extra: str = "") -> str:
+def _run(code: str, path_extra: str = "", opt_in: bool = True) -> str:
     prelude = f"import sys; sys.path.insert(0, {path_extra!r})\n" if path_extra else ""
-    result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    env = {k: v for k, v in os.environ.items() if k != plugin.OPT_IN}
+    env.update({plugin.OPT_IN: "1"} if opt_in else {})
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", prelude + textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip()
 
 
-def test_fallback_is_importable_as_sgl_kernel_when_none_is_installed():
-    out = _run("import sgl_kernel, sgl_kernel.mamba; print(sgl_kernel.__file__); print(sgl_kernel.assign_req_to_token_pool_cpu.__module__)")
-    assert out.splitlines()[0].endswith("sgl_embeds_srt/cpu/kernels.py")
+# What a process of this environment loads of the CPU kernels: the client and the span plugin
+# imported, SGLang's platform resolved as each SGLang process resolves it (its platform plugins
+# called: the finders must be there now, before any plugin of SGLang's general group runs, as in
+# a scheduler process), then the general plugin of the CPU kernels run; what is loaded then.
+LOADED = """
+    import sys
+    from importlib.metadata import entry_points
+    import sgl_embeds, sgl_embeds_srt.plugin, sgl_embeds_srt.targets
+    import sglang.srt.utils.common, sglang.srt.platforms
+    assert sglang.srt.platforms._current_platform is not None
+    print(sorted(type(f).__name__ for f in sys.meta_path if getattr(f, "sgl_embeds_fallback", False)))
+    [cpu_hooks] = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "sgl_embeds_cpu"]
+    cpu_hooks.load()()
+    print(sorted(m for m in sys.modules if m.split(".")[0] in ("sgl_kernel", "sgl_embeds_cpu")))
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    print(sorted(t for t in HookRegistry._hooks if t in CPU_TARGETS))
+"""
+
+
+def _loaded(opt_in: bool, then: str = "") -> list[str]:
+    cpu_targets = f"CPU_TARGETS = {sorted(plugin.hook_table())!r}\n"
+    return _run(cpu_targets + textwrap.dedent(LOADED) + textwrap.dedent(then), opt_in=opt_in).splitlines()
+
+
+def test_a_process_without_the_opt_in_loads_no_cpu_kernel():
+    """Acceptance of issue #44 (item 3): no finder, no ``sgl_kernel``, none of the kernels' modules;
+    the CPU plugin's entry points ran (its switch module is loaded) and did nothing."""
+    finders, modules, hooks = _loaded(opt_in=False)
+    assert finders == "[]"
+    assert modules == "['sgl_embeds_cpu', 'sgl_embeds_cpu.plugin']"
+    assert hooks == "[]"
+
+
+def test_with_the_opt_in_sglang_turns_the_cpu_kernels_on():
+    """The same process with ``SGL_EMBEDS_CPU_KERNELS=1``: SGLang's platform resolution installed
+    the finders, ``sgl_kernel`` (and ``sgl_kernel.mamba``) are the stand-ins, and the general
+    plugin registered the CPU hooks."""
+    finders, _, hooks, origin = _loaded(opt_in=True, then="""
+        import sgl_kernel, sgl_kernel.mamba
+        print(sgl_kernel.__file__)
+    """)
+    assert finders == "['FallbackKernelFinder', 'KernelsFirstFinder']"
+    assert origin.endswith("sgl_embeds_cpu/kernels.py")
+    assert hooks == str(sorted(plugin.hook_table()))
 
 
 def test_a_real_sgl_kernel_wins_over_the_fallback(tmp_path):
     real = tmp_path / "sgl_kernel"
     real.mkdir()
     (real / "__init__.py").write_text("REAL = True\n")
-    out = _run("import sgl_embeds_srt.cpu.finder, sgl_kernel; print(getattr(sgl_kernel, 'REAL', False))", str(tmp_path))
+    out = _run("from sgl_embeds_cpu import plugin; plugin.turn_on(); import sgl_kernel; "
+               "print(getattr(sgl_kernel, 'REAL', False))", str(tmp_path))
     assert out == "True"
-
-
-def test_the_kernels_of_the_imported_checkout_are_loaded(tmp_path):
-    """The .pth runs one checkout's finder by path; a checkout first on the path (a worktree
-    sharing that venv) still gets its own kernels as sgl_kernel."""
-    other = tmp_path / "sgl_embeds_srt" / "cpu"
-    other.mkdir(parents=True)
-    (tmp_path / "sgl_embeds_srt" / "__init__.py").write_text("")
-    (other / "kernels.py").write_text("OTHER = True\n")
-    finder = os.path.join(os.path.dirname(kernels.__file__), "finder.py")
-    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import runpy; runpy.run_path({finder!r}); "
-            "import sgl_kernel, sgl_kernel.mamba; print(sgl_kernel.__file__, sgl_kernel.mamba.OTHER)")
-    result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(other / "kernels.py"), "True"]
 
 
 def test_qwen_vl_modules_import_and_their_torch_ops_are_registered():
@@ -91,7 +121,7 @@ def test_qwen_vl_modules_import_and_their_torch_ops_are_registered():
     code = textwrap.dedent("""
         import torch
         import sglang.srt.multimodal.processors.qwen_vl  # noqa: F401
-        from sgl_embeds_srt.cpu.kernels import TORCH_OPS
+        from sgl_embeds_cpu.kernels import TORCH_OPS
         for name in TORCH_OPS:
             print(getattr(torch.ops.sgl_kernel, name).default._schema)
         x = torch.ones(2)
@@ -102,7 +132,7 @@ def test_qwen_vl_modules_import_and_their_torch_ops_are_registered():
         except NotImplementedError as e:
             print(e)
     """)
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", plugin.OPT_IN: "1"}
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

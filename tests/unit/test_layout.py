@@ -1,10 +1,12 @@
 """The module map: no import circle, and each side of the wire owns its code.
 
-Two top-level packages: ``sgl_embeds`` (the client) and ``sgl_embeds_srt`` (the server plugin and
-the modules both sides share). Every import counts, including those inside functions (a lazy
-import is still a dependency), and the package ``__init__`` counts as a module: importing any
-``sgl_embeds.*`` module runs it. The server never imports the client package; the client imports
-from ``sgl_embeds_srt`` only the shared modules, which import neither side.
+Three top-level packages: ``sgl_embeds`` (the client), ``sgl_embeds_srt`` (the server plugin and
+the modules both sides share) and ``sgl_embeds_cpu`` (the opt-in CPU kernels). Every import
+counts, including those inside functions (a lazy import is still a dependency), and the package
+``__init__`` counts as a module: importing any ``sgl_embeds.*`` module runs it. The server never
+imports the client package; the client imports from ``sgl_embeds_srt`` only the shared modules,
+which import neither side. The CPU kernels import only shared modules, and neither side imports
+them (only the test support that runs an ``sglang.Engine`` in its own process turns them on).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENT, SERVER = "sgl_embeds", "sgl_embeds_srt"
+CLIENT, SERVER, CPU = "sgl_embeds", "sgl_embeds_srt", "sgl_embeds_cpu"
+# the one import of the CPU kernels' switch from outside them: testing.server.engine turns them on
+# in a process that may have imported SGLang before the opt-in (an in-process Engine)
+CPU_SWITCH_USERS = {"sgl_embeds.testing.server": {CPU, f"{CPU}.plugin"}}
 SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "binary_body", "lru", "keys", "targets", "family", "info")}
 SHARED |= {SERVER}
 
@@ -27,11 +32,11 @@ def _module_name(path: Path) -> str:
 def _side(module: str) -> str:
     if module in SHARED:
         return "shared"
-    return "server" if module.split(".")[0] == SERVER else "client"
+    return {SERVER: "server", CPU: "cpu"}.get(module.split(".")[0], "client")
 
 
 def _files() -> list[Path]:
-    return [p for package in (CLIENT, SERVER) for p in (ROOT / package).rglob("*.py")]
+    return [p for package in (CLIENT, SERVER, CPU) for p in (ROOT / package).rglob("*.py")]
 
 
 def import_graph(packages: bool = False) -> dict[str, set[str]]:
@@ -96,21 +101,25 @@ def test_each_side_of_the_wire_owns_its_code():
     ``__init__`` included), and the client and the shared modules never import server modules."""
     graph = import_graph(packages=True)
     assert "sgl_embeds" in graph["sgl_embeds.vlm.tower"]  # the package __init__ a module runs
-    assert {_side(m) for m in graph} == {"client", "server", "shared"}
+    assert {_side(m) for m in graph} == {"client", "server", "shared", "cpu"}
     for module, deps in graph.items():
         side = _side(module)
-        if side in ("server", "shared"):
+        if side in ("server", "shared", "cpu"):
             client = sorted(d for d in deps if _side(d) == "client")
             assert not client, f"{module} imports client modules {client}"
-        if side in ("client", "shared"):
+        if side in ("client", "shared", "cpu"):
             server = sorted(d for d in deps if _side(d) == "server")
             assert not server, f"{module} imports server modules {server}"
+        if side != "cpu":
+            cpu = sorted(d for d in deps if _side(d) == "cpu" and d not in CPU_SWITCH_USERS.get(module, ()))
+            assert not cpu, f"{module} imports the CPU kernels' modules {cpu}: only SGLang turns them on"
 
 
 def test_a_client_import_by_the_server_would_be_found():
     graph = {"sgl_embeds_srt.plugin": {"sgl_embeds"}, "sgl_embeds": set()}
     assert any(_side(d) == "client" for d in graph["sgl_embeds_srt.plugin"])
     assert _side("sgl_embeds_srt.wire") == "shared" and _side("sgl_embeds_srt.http") == "server"
+    assert _side("sgl_embeds_cpu.kernels") == "cpu"
 
 
 def test_loading_the_plugin_loads_no_client_module():
@@ -134,14 +143,17 @@ def test_every_module_and_function_named_in_the_architecture_doc_exists():
     import re
 
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    modules = {_module_name(p).rsplit(".", 1)[-1]: _module_name(p) for p in _files()
-               if not p.name.startswith("__")}
-    named = set(re.findall(r"`(?:\w+/)*(\w+)(?:\.py)?[.:] ?(\w+)", doc))
+    full = [_module_name(p) for p in _files() if not p.name.startswith("__")]
+    modules = {m.rsplit(".", 1)[-1]: m for m in full}
+    named = set(re.findall(r"`((?:\w+/)*)(\w+)(?:\.py)?[.:] ?(\w+)", doc))
     checked = 0
-    for module, attr in named:
-        if module not in modules or attr in ("py",):
+    for folder, module, attr in named:
+        # a folder before the name picks among modules of one name (plugin: the server's, the CPU one's)
+        dotted = folder.replace("/", ".") + module
+        by_path = [m for m in full if folder and (m == dotted or m.endswith("." + dotted))]
+        if (module not in modules and not by_path) or attr in ("py",):
             continue
-        obj = importlib.import_module(modules[module])
+        obj = importlib.import_module(by_path[0] if len(by_path) == 1 else modules[module])
         assert hasattr(obj, attr) or any(hasattr(v, attr) for v in vars(obj).values() if isinstance(v, type)), \
             f"docs/architecture.md names {module}.{attr}, which does not exist"
         checked += 1
@@ -150,7 +162,7 @@ def test_every_module_and_function_named_in_the_architecture_doc_exists():
 
 # -- the module map and the test tree as docs/architecture.md draws them ------------------------
 
-_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
+_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|sgl_embeds_cpu|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
 
 
 def test_the_module_map_lists_every_module_on_its_side():

@@ -10,6 +10,7 @@ from unittest import mock
 
 import helpers
 from sgl_embeds import hooks
+from sgl_embeds_cpu import plugin as cpu_plugin
 from sgl_embeds_srt import plugin, targets
 
 def test_pinned_sglang_version_is_installed():
@@ -67,17 +68,20 @@ def test_a_changed_target_is_named_with_what_differed(monkeypatch):
 
 
 def test_the_hook_tables_patch_exactly_the_listed_targets():
-    hooked = set(plugin.hook_table(http=True)) | set(hooks.hook_table())
-    assert hooked == set(targets.PATCHED)
-    assert all(callable(hook) for _, hook in [*plugin.hook_table(http=True).values(), *hooks.hook_table().values()])
+    server, client, cpu = plugin.hook_table(http=True), hooks.hook_table(), cpu_plugin.hook_table()
+    assert len(server) + len(client) + len(cpu) == len(targets.PATCHED)  # no target hooked twice
+    assert set(server) | set(client) | set(cpu) == set(targets.PATCHED)
+    assert all(callable(hook) for _, hook in [*server.values(), *client.values(), *cpu.values()])
     sides = {t: g.side for t, g in targets.PATCHED.items()}
-    assert {sides[t] for t in hooks.hook_table()} == {"client"}
-    assert {sides[t] for t in plugin.hook_table(http=True)} == {"server"}
+    assert {sides[t] for t in client} == {"client"}
+    assert {sides[t] for t in server} == {"server"} == {sides[t] for t in cpu}
 
 
-def test_plugin_entry_point_is_declared():
+def test_plugin_entry_points_are_declared():
     names = {ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert "sgl_embeds_srt.plugin:register" in names
+    assert {"sgl_embeds_srt.plugin:register", "sgl_embeds_cpu.plugin:register"} <= names
+    platforms = {ep.value for ep in entry_points(group="sglang.srt.platforms")}
+    assert "sgl_embeds_cpu.plugin:activate" in platforms
 
 
 

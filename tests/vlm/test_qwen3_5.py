@@ -1,6 +1,6 @@
 """Qwen3.5 served on CPU (issue #36): a hybrid model, three Gated DeltaNet layers (linear
 attention with a recurrent state) to one of full attention, whose ops come from the CPU fallback
-(``sgl_embeds_srt/cpu/gdn.py``, ``fused.py``). Text prompts' greedy tokens and logprobs equal HF's
+(``sgl_embeds_cpu/gdn.py``, ``fused.py``). Text prompts' greedy tokens and logprobs equal HF's
 ``Qwen3_5ForConditionalGeneration`` (float32, its pure-torch recurrent kernels): prompts prefilled
 in chunks of 16 positions (the state carried from chunk to chunk), then decoded step by step;
 requests batched together (each its own state slot); a repeat served from the prefix cache
@@ -285,7 +285,7 @@ def test_retraction_leaves_the_answers_as_they_were(server, checkpoint):
 
 def test_qwen3_5_moe_answers_an_image_span_as_hf(qwen3_5_moe_server):
     """Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``: each MLP a mixture of experts and a
-    gated shared expert, ``cpu.fused.gate_sigmoid_mul`` on CPU) on the same path: an image span's
+    gated shared expert, ``sgl_embeds_cpu.fused.gate_sigmoid_mul`` on CPU) on the same path: an image span's
     tokens and logprobs equal HF's on the pixels, and another image changes HF's answer."""
     moe = tiny_qwen3_5_moe_dir()
     text = chat_text(moe, "what is the color of the object", 1)

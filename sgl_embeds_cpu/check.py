@@ -1,8 +1,10 @@
-"""``python -m sgl_embeds_srt.cpu.check``: prove the environment can run SGLang here.
+"""``python -m sgl_embeds_cpu.check``: prove the environment can run SGLang here.
 
-Imports ``sgl_kernel`` (real or fallback), the SGLang modules that need it on CPU (Qwen3.5's
-Gated DeltaNet backend among them), and the plugin's patch targets; exits non-zero with the
-reason if anything is missing. Says which row hashing path was built: native (the C extension of
+On CPU it opts in to the CPU kernels as ``sgl_embeds serve`` does for SGLang's processes
+(``SGL_EMBEDS_CPU_KERNELS=1``) and sees SGLang turn them on through the installed entry point; on a
+GPU it leaves the real ``sgl_kernel`` alone. Then it imports ``sgl_kernel`` (real or fallback),
+the SGLang modules that need it on CPU (Qwen3.5's Gated DeltaNet backend among them), and checks
+every guard; exits non-zero with the reason if anything is missing. Says which row hashing path was built: native (the C extension of
 setup.py) or the Python fallback.
 """
 
@@ -13,7 +15,19 @@ import sys
 
 
 def main() -> int:
+    import torch
+
+    from sgl_embeds_cpu import finder, plugin
+
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if not torch.cuda.is_available():
+        os.environ[plugin.OPT_IN] = "1"
+        import sglang.srt.utils.common  # noqa: F401  (resolves SGLang's platform: its plugins run)
+
+        if not any(isinstance(f, finder.FallbackKernelFinder) for f in sys.meta_path):
+            print(f"the CPU kernels did not turn on with {plugin.OPT_IN}=1: SGLang did not call the entry "
+                  "point sgl_embeds_cpu (group sglang.srt.platforms); is this package installed?")
+            return 1
     import sgl_kernel
 
     origin = getattr(sgl_kernel, "__file__", "?")

@@ -6,9 +6,10 @@ name (``srt/models/utils.py``, ``kernels/ops/attention/triton_gdn_fused_proj.py`
 are Qwen3.5's zero-centred RMS norms, ``x / rms(x) * (1 + w)``, computed in float32 and returned
 in the input's dtype (HF's ``Qwen3_5RMSNorm``).
 
-``rms_norm_gated`` and ``gate_sigmoid_mul`` are not ``sgl_kernel`` ops but the plugin's hooks
-around SGLang's gated RMS norm (``targets.GATED_RMSNORM_FORWARD``) and Qwen3.5-MoE's shared-expert
-gate (``targets.GATE_SIGMOID_MUL``): on a CPU without AMX SGLang would run a Triton kernel.
+``rms_norm_gated`` and ``gate_sigmoid_mul`` are not ``sgl_kernel`` ops but the CPU plugin's
+hooks (``plugin.hook_table``) around SGLang's gated RMS norm (``targets.GATED_RMSNORM_FORWARD``)
+and Qwen3.5-MoE's shared-expert gate (``targets.GATE_SIGMOID_MUL``): on a CPU without AMX SGLang
+would run a Triton kernel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reference implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU path calls.
 
-Loaded as the module ``sgl_kernel`` (and ``sgl_kernel.mamba``) by ``sgl_embeds_srt.cpu.finder``.
+Loaded as the module ``sgl_kernel`` (and ``sgl_kernel.mamba``) by ``finder.py`` (``plugin.turn_on``).
 Each op mirrors the meaning of SGLang's Triton kernel of the same role; the Gated DeltaNet ops of
 Qwen3.5's linear-attention layers live in ``gdn.py``, its fused elementwise ops in ``fused.py``.
 Any other name imported from here is a stub that raises ``NotImplementedError`` naming the op
@@ -23,9 +23,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sgl_embeds_srt.cpu import fused, gdn
+from sgl_embeds_cpu import fused, gdn
 # sgl_kernel.mamba's names (the finder loads this module under both names)
-from sgl_embeds_srt.cpu.gdn import (  # noqa: F401
+from sgl_embeds_cpu.gdn import (  # noqa: F401
     causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu,
 )
 

@@ -1,0 +1,67 @@
+"""The opt-in switch of the CPU kernels, loaded by SGLang through two entry points.
+
+* ``activate`` (group ``sglang.srt.platforms``): SGLang calls it when it resolves its platform,
+  on the first import of ``sglang.srt.utils.common`` in each of its processes, before any module
+  imports ``sgl_kernel``. With ``SGL_EMBEDS_CPU_KERNELS=1`` it installs the finders that make
+  ``kernels.py`` importable as ``sgl_kernel``. It returns None: it claims no platform, SGLang
+  picks its own as without it.
+* ``register`` (group ``sglang.srt.plugins``, beside ``sgl_embeds_srt.plugin``): with the same
+  opt-in, the CPU-only engine hooks (``hook_table``). Their guards are the server's, checked at
+  launch by ``sgl_embeds_srt.plugin.register``.
+
+Without the opt-in this module is all a process loads of the package.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+OPT_IN = "SGL_EMBEDS_CPU_KERNELS"
+
+
+def opted_in(environ: os._Environ | dict[str, str] = os.environ) -> bool:
+    return environ.get(OPT_IN) == "1"
+
+
+def turn_on() -> None:
+    """Opt this process and the processes it starts in, and install the finders now (for a
+    process that imports SGLang's CPU path itself: a test run, an in-process ``sglang.Engine``)."""
+    from sgl_embeds_cpu import finder
+
+    os.environ[OPT_IN] = "1"
+    finder.install()
+
+
+def activate() -> None:
+    """The ``sglang.srt.platforms`` entry point: the finders, if opted in; no platform."""
+    if opted_in():
+        turn_on()
+    return None
+
+
+def hook_table() -> dict[str, tuple[Any, Callable]]:
+    """The CPU-only hooks of SGLang's engine (targets in ``sgl_embeds_srt.targets.PATCHED``)."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from sgl_embeds_cpu import attention, fused
+    from sgl_embeds_srt import targets
+
+    table = {
+        targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
+        targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
+    }
+    if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
+        table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)
+    return table
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: the CPU hooks, if opted in."""
+    if not opted_in():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    turn_on()  # already on where SGLang resolved its platform after the opt-in; idempotent
+    for target, (kind, hook) in hook_table().items():
+        HookRegistry.register(target, hook, kind)
