@@ -23,6 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from blake3 import blake3
 
+from sgl_embeds_srt import wire
+from sgl_embeds_srt.info import TEXT, ServedModel, ServerInfo
+
 BINARY_TYPE = "application/x-sgl-embeds"
 JSON_TYPE = "application/json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,6 +115,17 @@ def kinds(posts: list) -> list[str]:
     return out
 
 
+def text_llm_info(hidden: int) -> dict:
+    """What the plugin says of a float32 text LLM of this hidden size (``info.ServerInfo``)."""
+    model = ServedModel(family=None, served_as=TEXT, vision_dir=None, grid=False, merge_size=None,
+                        vision_tokens={})
+    return ServerInfo(hidden_size=hidden, dtype="float32", vocab_size=1000, context_len=4096,
+                      max_span_bytes=wire.MAX_SPAN_BYTES, wire_dtypes=sorted(wire.DTYPES),
+                      binary_body=BINARY_TYPE, key_scheme="blake3-rows/v3", sglang_version="0.5.23",
+                      sgl_embeds_version="0.1.0", span_store={}, rows_to_scheduler=None,
+                      http_worker_pid=0, vision=None, span_width=hidden, model=model).to_json()
+
+
 class FakePluginServer:
     def __init__(self, hidden: int, gateway_refusal: int | None = None, refusal: dict | None = None) -> None:
         self.hidden, self.gateway_refusal, self.refusal = hidden, gateway_refusal, refusal
@@ -121,8 +135,7 @@ class FakePluginServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                info = {"hidden_size": fake.hidden, "binary_body": BINARY_TYPE}
-                self.answer(200, {"model_path": "fake", "sgl_embeds": info})
+                self.answer(200, {"model_path": "fake", "sgl_embeds": text_llm_info(fake.hidden)})
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
