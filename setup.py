@@ -4,5 +4,5 @@ in Python (the same digests, slower); ``python -m sgl_embeds_cpu.check`` says wh
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("sgl_embeds_srt._row_digests", ["csrc/row_digests.c"],
+setup(ext_modules=[Extension("sgl_embeds_protocol._row_digests", ["csrc/row_digests.c"],
                              extra_compile_args=["-O3", "-std=c11"], optional=True)])

@@ -36,7 +36,7 @@ import torch
 from blake3 import blake3
 
 from common import commit, machine, p50, provenance, save, table
-from sgl_embeds_srt import binary_body, keys, wire
+from sgl_embeds_protocol import binary_body, keys, wire
 from sgl_embeds_srt.parse import segments_from_wire
 from sgl_embeds_srt.placeholders import placeholder_ids
 

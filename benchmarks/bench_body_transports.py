@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from common import commit, machine, provenance, save, table
-from sgl_embeds_srt import binary_body
+from sgl_embeds_protocol import binary_body
 
 SPAN_BYTES = 2880 * 4096 * 2
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034  # fcntl.h (Linux); Python 3.11's fcntl names neither

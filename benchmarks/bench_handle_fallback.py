@@ -17,7 +17,7 @@ import time
 from sglang.utils import http_request
 
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table
-from sgl_embeds_srt import keys, wire
+from sgl_embeds_protocol import keys, wire
 
 
 def main() -> None:

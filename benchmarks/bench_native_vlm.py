@@ -61,9 +61,10 @@ import torch
 from PIL import Image
 
 from common import p50, pct, provenance, save, server, table
-from sgl_embeds_srt import keys, prompts, wire
+from sgl_embeds_protocol import keys, wire
+from sgl_embeds_srt import prompts
 from sgl_embeds_srt.image_spans import VisionSpec
-from sgl_embeds_srt.segments import Grid, Span, Text
+from sgl_embeds_protocol.segments import Grid, Span, Text
 from sgl_embeds.testing.qwen_vl import (
     IMAGE_PAD, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir,
     bench_qwen3_vl_dir, sample_clip)

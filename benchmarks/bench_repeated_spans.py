@@ -26,7 +26,7 @@ from contextlib import ExitStack
 import torch
 
 from common import demo_dir, embedding_table, commit, machine, provenance, p50, post, save, server, table, tokenizer
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 PREFIX = "<|im_start|>user\nHere is an image: "
 SIDES = ["stock JSON", "ours JSON", "ours base64", "ours base64, stock attention"]

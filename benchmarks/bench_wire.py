@@ -64,8 +64,8 @@ from blake3 import blake3
 
 from common import commit, machine, provenance, save, table
 from sgl_embeds.writer import HeldSpans, SpanWriter
-from sgl_embeds_srt import binary_body, keys, wire
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_protocol import binary_body, keys, wire
+from sgl_embeds_protocol.segments import Span
 
 BARE = "floor: a bare uvicorn app reads the binary body"
 HOT_COPY = "the same copy back to back, cache-hot (not a floor of the multiples)"

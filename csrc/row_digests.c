@@ -1,4 +1,4 @@
-/* Keyed BLAKE3 digests of many equal-width rows in one native call (sgl_embeds_srt._row_digests).
+/* Keyed BLAKE3 digests of many equal-width rows in one native call (sgl_embeds_protocol._row_digests).
  *
  * keys.row_digests hashes every row of a span on its own (a placeholder id is a row's key). The
  * Python bindings of BLAKE3 take one input per call, so a span of 4096 narrow rows costs 4096

@@ -26,6 +26,8 @@ import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 assert not [n for n in names if n.endswith(".pth")], "the wheel has a .pth: it would run in every interpreter"
 assert "sgl_embeds_cpu/kernels.py" in names, "the wheel lacks the CPU kernels"
+assert "sgl_embeds_protocol/wire.py" in names, "the wheel lacks the shared protocol package"
+assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))], "the wheel carries tests or benchmarks"
 points = next(n for n in names if n.endswith("entry_points.txt"))
 text = zipfile.ZipFile(sys.argv[1]).read(points).decode()
 for line in ("sgl_embeds = sgl_embeds.__main__:main", "[sglang.srt.plugins]", "sgl_embeds = sgl_embeds_srt.plugin:register",

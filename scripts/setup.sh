@@ -51,7 +51,7 @@ PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
 # wrote a .pth that loaded them in every Python process of the venv: gone.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -f "$SITE/zz_sgl_embeds_cpu_kernels.pth" || fail "remove the old CPU kernel .pth"
-if "$VENV/bin/python" -c 'import sgl_embeds_srt._row_digests' 2>/dev/null; then
+if "$VENV/bin/python" -c 'import sgl_embeds_protocol._row_digests' 2>/dev/null; then
   echo "    row hashing: native (the C extension csrc/row_digests.c was built)"
 elif ! command -v "${CC:-cc}" >/dev/null; then
   echo "    row hashing: Python fallback (same digests, slower): no C compiler (${CC:-cc}) on PATH"

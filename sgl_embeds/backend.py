@@ -24,10 +24,10 @@ from sgl_embeds import lang
 from sgl_embeds.sender import SpanRequest, SpanSegments, SpanSender, error_body, is_unknown_handle
 from sgl_embeds.vision import EncoderCache
 from sgl_embeds.writer import HeldSpans, SpanWriter
-from sgl_embeds_srt import binary_body
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.info import ServerInfo
+from sgl_embeds_protocol import binary_body
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.info import ServerInfo
 
 # The server sends a null input-logprob entry for a span row (a row has no token, so no logprob
 # and no text). Stock select() reads every entry of the last prompt positions: it averages their

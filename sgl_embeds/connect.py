@@ -1,6 +1,6 @@
 """``connect(url, vision=...)``: an ``EmbedsEndpoint`` whose vision half fits the served model.
 
-The server says what it serves in ``/sgl_embeds/info``'s ``"model"`` (``sgl_embeds_srt.family``):
+The server says what it serves in ``/sgl_embeds/info``'s ``"model"`` (``sgl_embeds_protocol.family``):
 its family, how it is served, where its vision half lies, whether an image's span carries a grid.
 ``connect`` loads that vision half (``vision=None``), or takes the one given (a folder for
 ``load_encoder``, or a ``VisionEncoder``), and refuses, before any request, one whose rows the
@@ -24,7 +24,7 @@ from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vision import encode_region
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.vlm.prompt import model_chat_template
-from sgl_embeds_srt.info import ServedModel
+from sgl_embeds_protocol.info import ServedModel
 
 # A small grey image: what an encoder that does not state its fit is run on once, to see it
 PROBE_IMAGE_SIZE = (64, 64)

@@ -1,6 +1,6 @@
 """The client's hooks of SGLang's frontend, installed by ``import sgl_embeds``.
 
-``hook_table``: target (see ``sgl_embeds_srt/targets.py`` for the guard of each) -> (hook type,
+``hook_table``: target (see ``sgl_embeds_protocol/targets.py`` for the guard of each) -> (hook type,
 our function): the interpreter's (``lang``: every executor's span table, our IR nodes, ``fork``)
 and the post of every stock ``RuntimeEndpoint`` call (``sender``: a body with spans goes through
 its request's sender, which resends it inline on a refused handle). ``install`` checks the
@@ -15,7 +15,7 @@ import sglang as sgl
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_embeds import lang, sender
-from sgl_embeds_srt import targets
+from sgl_embeds_protocol import targets
 
 
 def hook_table() -> dict[str, tuple[Any, Callable]]:

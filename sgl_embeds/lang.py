@@ -30,8 +30,8 @@ from sglang.lang.ir import SglArgument, SglExpr, SglImage
 from sglang.lang.api import image as _stock_image
 
 from sgl_embeds import vision
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol import wire
 
 
 class SglSpan(SglExpr):

@@ -28,8 +28,8 @@ from typing import Any, Callable
 from sglang.utils import HttpResponse, http_request
 
 from sgl_embeds.writer import SpanWriter
-from sgl_embeds_srt import binary_body, keys
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import binary_body, keys
+from sgl_embeds_protocol import segments as seg
 
 # What a gateway that reads /generate bodies as JSON answers a binary body: smg's axum Json
 # extractor gives 415 for another content type, 400 or 422 for bytes it cannot parse as the request

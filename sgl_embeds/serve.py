@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import sglang_serves, split
-from sgl_embeds_srt.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
+from sgl_embeds_protocol.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
 # A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.

@@ -38,9 +38,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.lru import LRU, nbytes
 
 # Where an encoder has no image processor of its own: the CLIP mean colour (0.481, 0.458, 0.408).
 DEFAULT_MEAN_COLOR = (123, 117, 104)

@@ -20,10 +20,10 @@ from typing import Any, Iterable
 import torch
 import xxhash
 
-from sgl_embeds_srt import keys
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.lru import LRU
+from sgl_embeds_protocol import keys
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.lru import LRU
 
 
 @dataclass(frozen=True)

@@ -36,20 +36,20 @@ def main() -> int:
     # Qwen3.5's Gated DeltaNet backend looks up its sgl_kernel.mamba functions and torch ops on import
     import sglang.srt.layers.attention.linear.gdn_backend  # noqa: F401
 
-    from sgl_embeds_srt import targets
+    from sgl_embeds_protocol import targets
 
     found = targets.problems()
     if found:
-        print("SGLang internals missing or changed (see sgl_embeds_srt/targets.py):\n  " + "\n  ".join(found))
+        print("SGLang internals missing or changed (see sgl_embeds_protocol/targets.py):\n  " + "\n  ".join(found))
         return 1
     print(f"sglang {targets.installed_version()}: all {len(targets.TARGETS)} guarded internals as recorded")
-    from sgl_embeds_srt import keys
+    from sgl_embeds_protocol import keys
 
     if keys.native_rows is not None:
         print(f"row hashing: native (C extension {keys.native_rows.__file__})")
     else:
         print("row hashing: fallback (Python, one BLAKE3 call per row: the same digests, slower); "
-              "the C extension sgl_embeds_srt._row_digests was not built")
+              "the C extension sgl_embeds_protocol._row_digests was not built")
     return 0
 
 

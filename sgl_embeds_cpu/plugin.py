@@ -41,11 +41,11 @@ def activate() -> None:
 
 
 def hook_table() -> dict[str, tuple[Any, Callable]]:
-    """The CPU-only hooks of SGLang's engine (targets in ``sgl_embeds_srt.targets.PATCHED``)."""
+    """The CPU-only hooks of SGLang's engine (targets in ``sgl_embeds_protocol.targets.PATCHED``)."""
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds_cpu import attention, fused
-    from sgl_embeds_srt import targets
+    from sgl_embeds_protocol import targets
 
     table = {
         targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),

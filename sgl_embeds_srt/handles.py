@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_protocol import keys, wire
+from sgl_embeds_protocol.lru import LRU, rows_to_hold, nbytes
+from sgl_embeds_protocol.segments import Span
 
 PATH = "/sgl_embeds/spans"
 

@@ -21,10 +21,10 @@ from sglang.srt.managers.schedule_batch import (
     MultimodalProcessorOutput,
 )
 
-from sgl_embeds_srt.family import BY_NAME, NATIVE, Family, family_of
-from sgl_embeds_srt.info import VisionInfo
+from sgl_embeds_protocol.family import BY_NAME, NATIVE, Family, family_of
+from sgl_embeds_protocol.info import VisionInfo
 from sgl_embeds_srt.prompt_rows import PromptRows
-from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
+from sgl_embeds_protocol.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
 SPAN_ITEM_KEY = "sgl_embeds_span"  # marks our items in model_specific_data
 _IDENTITY_TAG = b"sgl_embeds/grid/v4"  # v4: images and clips; content keys of blake3-rows/v3

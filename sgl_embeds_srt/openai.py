@@ -28,9 +28,9 @@ import re
 from typing import Any, Callable
 
 from sgl_embeds_srt import parse, prompts
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.keys import is_routing_text
+from sgl_embeds_protocol.keys import is_routing_text
 from sgl_embeds_srt.prompt_rows import PromptRows
 from sgl_embeds_srt.stock_request import being_served
 

@@ -18,9 +18,9 @@ import dataclasses
 import os
 from typing import Any
 
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import finite_row_digests, is_routing_text, keyed
-from sgl_embeds_srt.segments import Grid, Ids, Segment, Span, Text
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.keys import finite_row_digests, is_routing_text, keyed
+from sgl_embeds_protocol.segments import Grid, Ids, Segment, Span, Text
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 # the top-level fields of a span request, which a stock body must not carry
@@ -137,7 +137,7 @@ def parse_prompts(body: dict, max_bytes: int,
         raise ValueError("give either input_segments or input_embeds, not both")
     if body.get("text") is not None and not is_routing_text(body["text"]):
         raise ValueError("text cannot be combined with input_segments/input_embeds (except a "
-                         "gateway routing hint, see sgl_embeds_srt.keys): put the text in "
+                         "gateway routing hint, see sgl_embeds_protocol.keys): put the text in "
                          "input_segments instead")
     if body.get("input_ids") is not None:
         raise ValueError("input_ids cannot be combined with input_segments/input_embeds: "

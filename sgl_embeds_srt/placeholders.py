@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sgl_embeds_srt.keys import ROW_DIGEST_BYTES, row_digests
-from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_protocol.keys import ROW_DIGEST_BYTES, row_digests
+from sgl_embeds_protocol.lru import LRU, nbytes
 
 PLACEHOLDER_BASE = 1 << 62
 

@@ -14,7 +14,7 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
-from sgl_embeds_srt import targets
+from sgl_embeds_protocol import targets
 
 logger = logging.getLogger(__name__)
 

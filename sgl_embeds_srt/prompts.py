@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
-from sgl_embeds_srt.keys import keyed
+from sgl_embeds_protocol.keys import keyed
 from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
 from sgl_embeds_srt.placeholders import placeholder_ids
-from sgl_embeds_srt.segments import Span, Ids, Segment, Text
+from sgl_embeds_protocol.segments import Span, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
 from sgl_embeds_srt.prompt_rows import PromptRows
 

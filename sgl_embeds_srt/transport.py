@@ -42,8 +42,8 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt.handles import budget_bytes
-from sgl_embeds_srt.keys import raw_bytes
-from sgl_embeds_srt.lru import LRU, rows_to_hold, nbytes
+from sgl_embeds_protocol.keys import raw_bytes
+from sgl_embeds_protocol.lru import LRU, rows_to_hold, nbytes
 from sgl_embeds_srt.prompt_rows import PromptRows, SpanRows
 
 

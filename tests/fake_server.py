@@ -23,8 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 from blake3 import blake3
 
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.info import TEXT, ServedModel, ServerInfo
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.info import TEXT, ServedModel, ServerInfo
 
 BINARY_TYPE = "application/x-sgl-embeds"
 JSON_TYPE = "application/json"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.server import Server, cpu_env
 

@@ -9,7 +9,7 @@ import base64
 import torch
 from hypothesis import strategies as st
 
-from sgl_embeds_srt.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
+from sgl_embeds_protocol.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
 
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
 scalars = st.one_of(numbers, st.booleans(), st.none(), st.text(max_size=5))

@@ -22,7 +22,7 @@ import torch
 
 from sgl_embeds.testing.models import _build_atomically, cache_dir, train_tokenizer
 from sgl_embeds.testing.reference import Greedy, _greedy_from_scores
-from sgl_embeds_srt.family import FAMILIES, NATIVE
+from sgl_embeds_protocol.family import FAMILIES, NATIVE
 
 QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (

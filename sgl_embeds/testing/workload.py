@@ -68,7 +68,7 @@ from sgl_embeds.testing.qwen_vl import IMAGE_PAD, VISION_END, VISION_START
 from sgl_embeds.testing.server import Gateway
 from sgl_embeds.vision import EncoderCache, region_image
 from sgl_embeds.writer import HeldSpans, SpanWriter
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 
 ARMS = ("stock raw image", "ours inline", "ours by handle")
 QUESTIONS = ("what is in this picture?", "which colors are there?", "describe the top left corner.",

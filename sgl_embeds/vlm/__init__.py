@@ -19,7 +19,7 @@ import torch
 
 from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
-from sgl_embeds_srt.family import FAMILIES, NATIVE, family_of
+from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
 
 
 def _qwen_vl(path: Path, device: str | torch.device | None) -> Any:

@@ -44,7 +44,7 @@ from sgl_embeds.vlm.files import ANYRES_FORMAT as FORMAT
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tiling import Tiling
 from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, place_vision_half, read_vision_dir
-from sgl_embeds_srt.family import family_of
+from sgl_embeds_protocol.family import family_of
 
 # model_type -> the image processors (torchvision, PIL) whose tiling the encoder reproduces
 IMAGE_PROCESSORS = {

@@ -8,7 +8,7 @@ shards; both key layouts: ``language_model.model.*`` as ``save_pretrained`` writ
 
 * ``DST/llm/``: an ordinary causal-LM directory (config, weights, tokenizer, generation config,
   chat template) for ``python -m sglang.launch_server --model-path DST/llm``, and the family file
-  (``sgl_embeds_srt.family``) that tells the plugin which family it serves and where the vision
+  (``sgl_embeds_protocol.family``) that tells the plugin which family it serves and where the vision
   half lies;
 * ``DST/vision/``: the tower, the projector (and ``image_newline``) in ``model.safetensors``,
   the settings in ``sgl_embeds_vision.json`` and the checkpoint's prompt template as
@@ -44,7 +44,7 @@ from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
-from sgl_embeds_srt.family import FAMILY_FILE, FAMILIES, SPLIT, Family, family_file, family_of
+from sgl_embeds_protocol.family import FAMILY_FILE, FAMILIES, SPLIT, Family, family_file, family_of
 
 SHARD_BYTES = 4 << 30
 _LLM_FILES = ("generation_config.json",)

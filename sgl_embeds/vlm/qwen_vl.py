@@ -39,8 +39,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 from sgl_embeds.vision import VisionRows, load_state
-from sgl_embeds_srt.family import BY_NAME
-from sgl_embeds_srt.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
+from sgl_embeds_protocol.family import BY_NAME
+from sgl_embeds_protocol.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
 from sgl_embeds.vlm.checkpoint import Tensors, weight_index
 from sgl_embeds.vlm.pixels import BACKENDS
 

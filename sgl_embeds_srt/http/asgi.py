@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
-from sgl_embeds_srt import binary_body
+from sgl_embeds_protocol import binary_body
 from sgl_embeds_srt.prompts import ModelSpec
 
 

@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from sgl_embeds_srt import handles, openai, parse, prompts, token_ids
 from sgl_embeds_srt.http import asgi, own_routes
-from sgl_embeds_srt.keys import UNKNOWN_HANDLE_TYPE
+from sgl_embeds_protocol.keys import UNKNOWN_HANDLE_TYPE
 from sgl_embeds_srt.stock_request import StockRequest, serving
 
 

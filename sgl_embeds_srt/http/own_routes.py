@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import orjson
 
-from sgl_embeds_srt import binary_body, family, handles, keys, parse, transport, wire
+from sgl_embeds_protocol import binary_body, family, keys, wire
+from sgl_embeds_srt import handles, parse, transport
 from sgl_embeds_srt.http import asgi
-from sgl_embeds_srt.info import ServerInfo
+from sgl_embeds_protocol.info import ServerInfo
 
 PREFIX = "/sgl_embeds/"
 INFO_PATH = "/sgl_embeds/info"

@@ -11,8 +11,8 @@ import requests
 
 from helpers import GREEDY, LOGPROBS, body, generate, seeded_rows, span, text
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds_srt import binary_body, keys
-from sgl_embeds_srt.segments import Span, Text
+from sgl_embeds_protocol import binary_body, keys
+from sgl_embeds_protocol.segments import Span, Text
 
 
 def post_binary(server, request: dict, path: str = "/generate", cut: int = 0) -> requests.Response:

@@ -93,7 +93,7 @@ def test_program_gen_with_regex_and_a_span(llama_server, llama_dir):
 
 
 def test_openai_response_format_with_span_parts(llama_server, llama_dir):
-    from sgl_embeds_srt import wire
+    from sgl_embeds_protocol import wire
 
     client = openai.OpenAI(base_url=llama_server.url + "/v1", api_key="none", max_retries=0)
     rows = ref.embed_ids(llama_dir, ref.hf_tokenizer(str(llama_dir)).encode(WORDS, add_special_tokens=False))

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from helpers import body, generate, seeded_rows, span, text
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 

@@ -9,7 +9,7 @@ import requests
 import torch
 
 from helpers import body, seeded_rows, span, text
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.server import Server, on_cpu, start_all, stop_all
 

@@ -19,9 +19,9 @@ from sglang.lang.backend import runtime_endpoint
 
 from helpers import GREEDY, body, seeded_rows, span, text
 from sgl_embeds import sender as sender_module
-from sgl_embeds_srt import keys, wire
+from sgl_embeds_protocol import keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds_srt.segments import Span, Text
+from sgl_embeds_protocol.segments import Span, Text
 from sgl_embeds.testing.server import Gateway
 
 

@@ -8,7 +8,7 @@ import requests
 import torch
 
 from helpers import body, generate, span, text
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 GOOD = torch.randn(3, 64) * 0.05
 

@@ -41,7 +41,7 @@ def test_prefix_hits_cover_spans_and_never_collide(llama_server, llama_dir):
 
 
 def test_shared_leading_rows_of_full_prompt_embeds_share_cache(llama_server):
-    from sgl_embeds_srt import wire
+    from sgl_embeds_protocol import wire
 
     head = seeded_rows(200, 20)
     x1 = torch.cat([head, seeded_rows(201, 5)])

@@ -68,7 +68,7 @@ def test_outputs_vary_with_the_span(llama_server):
 
 @pytest.mark.parametrize("fmt, dtype", [("json", None), ("base64", "float32"), ("base64", "float16"), ("base64", "bfloat16")])
 def test_full_prompt_input_embeds_in_every_encoding(llama_server, llama_dir, fmt, dtype):
-    from sgl_embeds_srt import wire
+    from sgl_embeds_protocol import wire
 
     x = seeded_rows(3, 9)
     enc = wire.encode_tensor(x, fmt, dtype)
@@ -84,7 +84,7 @@ def test_batch_form_equals_each_prompt_alone(llama_server):
     batch = generate(llama_server, {"input_segments": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
     assert [b["output_ids"] for b in batch] == alone
     xs = [torch.randn(5, 64, generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
-    from sgl_embeds_srt import wire
+    from sgl_embeds_protocol import wire
 
     batch = generate(llama_server, {"input_embeds": [wire.encode_tensor(x) for x in xs], "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
     solo = [generate(llama_server, {"input_embeds": wire.encode_tensor(x), "sampling_params": {"temperature": 0, "max_new_tokens": 6}})["output_ids"] for x in xs]

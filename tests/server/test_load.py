@@ -12,7 +12,7 @@ import requests
 import torch
 
 from helpers import span, text
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 CLIENTS, PER_CLIENT, DISTINCT, NEW_TOKENS, TIME_LIMIT_S = 64, 3, 16, 8, 300
 

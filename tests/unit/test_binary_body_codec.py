@@ -10,7 +10,7 @@ import orjson
 import pytest
 import torch
 
-from sgl_embeds_srt import binary_body, wire
+from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_srt.parse import parse_prompts, segments_from_wire
 
 

@@ -65,7 +65,7 @@ def _run(code: str, path_extra: str = "", opt_in: bool = True) -> str:
 LOADED = """
     import sys
     from importlib.metadata import entry_points
-    import sgl_embeds, sgl_embeds_srt.plugin, sgl_embeds_srt.targets
+    import sgl_embeds, sgl_embeds_srt.plugin, sgl_embeds_protocol.targets
     import sglang.srt.utils.common, sglang.srt.platforms
     assert sglang.srt.platforms._current_platform is not None
     print(sorted(type(f).__name__ for f in sys.meta_path if getattr(f, "sgl_embeds_fallback", False)))

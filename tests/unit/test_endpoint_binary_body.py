@@ -11,8 +11,8 @@ import torch
 
 from fake_server import BAD_ROWS, GATEWAY_REFUSALS, JSON_TYPE, FakePluginServer, kinds, read_tensor, spans_of
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds_srt import binary_body, keys
-from sgl_embeds_srt.segments import Span, Text
+from sgl_embeds_protocol import binary_body, keys
+from sgl_embeds_protocol.segments import Span, Text
 
 HIDDEN = 8
 

@@ -11,8 +11,8 @@ from sglang.lang.ir import SglSamplingParams
 
 from fake_server import FakePluginServer, kinds, spans_of
 from sgl_embeds import lang
-from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import keys, wire
+from sgl_embeds_protocol import segments as seg
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.writer import HeldSpans, SpanWriter
 

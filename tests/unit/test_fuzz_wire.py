@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_embeds_srt import binary_body, keys, wire
+from sgl_embeds_protocol import binary_body, keys, wire
 from sgl_embeds_srt.parse import decode_span, has_span_fields, parse_prompts, segments_from_wire
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_protocol.segments import Span
 from strategies import json_values, payloads, shapes
 
 LIMIT = 1 << 20

@@ -13,10 +13,11 @@ import orjson
 import pytest
 import torch
 
-from sgl_embeds_srt import binary_body, handles, http, parse, wire
+from sgl_embeds_protocol import binary_body, wire
+from sgl_embeds_srt import handles, http, parse
 from sgl_embeds_srt.prompts import ModelSpec
 from sgl_embeds_srt.http import asgi, middleware, own_routes
-from sgl_embeds_srt.info import ServerInfo
+from sgl_embeds_protocol.info import ServerInfo
 
 BINARY = [(b"content-type", binary_body.CONTENT_TYPE.encode())]
 

@@ -8,12 +8,13 @@ import torch
 from blake3 import blake3
 
 from sgl_embeds.writer import SpanWriter
-from sgl_embeds_srt import binary_body, keys, placeholders, wire
+from sgl_embeds_protocol import binary_body, keys, wire
+from sgl_embeds_srt import placeholders
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.lru import LRU, nbytes
+from sgl_embeds_protocol.lru import LRU, nbytes
 from sgl_embeds_srt.parse import parse_prompts
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
-from sgl_embeds_srt.segments import Grid, Span, Text
+from sgl_embeds_protocol.segments import Grid, Span, Text
 
 # Pinned: a change here changes every handle and placeholder id. Bump keys.KEY_SCHEME with it
 # (clients and servers of different schemes never agree on a handle) and update docs/concepts.md.
@@ -60,7 +61,7 @@ def test_the_native_pass_gives_each_rows_own_blake3_digest():
     """csrc/row_digests.c against one blake3 call per row: every width class of the BLAKE3 tree
     (a partial block, one block, a chunk and one byte more, 2-3 chunks, a 17-chunk tree), row
     counts around its 16 lanes, one thread and several."""
-    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests (a C compiler?)"
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_protocol._row_digests (a C compiler?)"
     rng, key = torch.Generator().manual_seed(0), keys.row_blake3_key(torch.uint8)
     for width in [1, 63, 64, 65, 1023, 1024, 1025, 1152, 2048, 2049, 3073, 8192, 17000]:
         for n in [1, 15, 16, 17, 40]:
@@ -183,7 +184,7 @@ def test_a_held_span_is_hashed_once_for_its_handle_and_its_ids(monkeypatch):
 @pytest.mark.parametrize("form", ["base64", "binary body"])
 def test_the_server_reads_an_inline_span_once_for_its_values_check_its_key_and_its_ids(monkeypatch, form):
     """No values pass of its own: the check runs in the native pass that hashes the rows."""
-    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests"
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_protocol._row_digests"
     calls = _counting_row_digests(monkeypatch)
     value_passes = []
     monkeypatch.setattr(wire, "first_non_finite_row", lambda t: value_passes.append(t) or None)
@@ -257,7 +258,7 @@ def test_the_native_pass_finds_the_first_non_finite_row_as_torch_does(dtype):
     """``digests_and_first_non_finite``: the digests, and the first row holding a NaN or an Inf, for any
     row, in any thread's share (1 and 3 threads), at any element; the largest finite value and
     the smallest subnormal are finite."""
-    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_srt._row_digests"
+    assert keys.native_rows is not None, "setup.py did not build sgl_embeds_protocol._row_digests"
     rng = torch.Generator().manual_seed(1)
     info = torch.finfo(dtype)
     for n, hidden in [(1, 8), (17, 33), (40, 576)]:

@@ -13,7 +13,7 @@ from sglang.lang.interpreter import ProgramState, StreamExecutor
 import sgl_embeds
 from sgl_embeds import lang
 from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 
 
 def _executor(use_thread: bool = True) -> StreamExecutor:

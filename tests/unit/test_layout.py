@@ -1,12 +1,12 @@
 """The module map: no import circle, and each side of the wire owns its code.
 
-Three top-level packages: ``sgl_embeds`` (the client), ``sgl_embeds_srt`` (the server plugin and
-the modules both sides share) and ``sgl_embeds_cpu`` (the opt-in CPU kernels). Every import
-counts, including those inside functions (a lazy import is still a dependency), and the package
-``__init__`` counts as a module: importing any ``sgl_embeds.*`` module runs it. The server never
-imports the client package; the client imports from ``sgl_embeds_srt`` only the shared modules,
-which import neither side. The CPU kernels import only shared modules, and neither side imports
-them (only the test support that runs an ``sglang.Engine`` in its own process turns them on).
+Four top-level packages: ``sgl_embeds`` (the client), ``sgl_embeds_srt`` (the server plugin),
+``sgl_embeds_protocol`` (what both sides share) and ``sgl_embeds_cpu`` (the opt-in CPU kernels).
+Every import counts, including those inside functions (a lazy import is still a dependency), and
+the package ``__init__`` counts as a module: importing any ``sgl_embeds.*`` module runs it. The
+server never imports the client package, nor the client the server's; the shared package imports
+neither. The CPU kernels import only shared modules, and neither side imports them (only the test
+support that runs an ``sglang.Engine`` in its own process turns them on).
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENT, SERVER, CPU = "sgl_embeds", "sgl_embeds_srt", "sgl_embeds_cpu"
+CLIENT, SERVER, SHARED, CPU = "sgl_embeds", "sgl_embeds_srt", "sgl_embeds_protocol", "sgl_embeds_cpu"
 # the one import of the CPU kernels' switch from outside them: testing.server.engine turns them on
 # in a process that may have imported SGLang before the opt-in (an in-process Engine)
 CPU_SWITCH_USERS = {"sgl_embeds.testing.server": {CPU, f"{CPU}.plugin"}}
-SHARED = {f"{SERVER}.{m}" for m in ("segments", "wire", "binary_body", "lru", "keys", "targets", "family", "info")}
-SHARED |= {SERVER}
 
 
 def _module_name(path: Path) -> str:
@@ -30,13 +28,11 @@ def _module_name(path: Path) -> str:
 
 
 def _side(module: str) -> str:
-    if module in SHARED:
-        return "shared"
-    return {SERVER: "server", CPU: "cpu"}.get(module.split(".")[0], "client")
+    return {SERVER: "server", SHARED: "shared", CPU: "cpu"}.get(module.split(".")[0], "client")
 
 
 def _files() -> list[Path]:
-    return [p for package in (CLIENT, SERVER, CPU) for p in (ROOT / package).rglob("*.py")]
+    return [p for package in (CLIENT, SERVER, SHARED, CPU) for p in (ROOT / package).rglob("*.py")]
 
 
 def import_graph(packages: bool = False) -> dict[str, set[str]]:
@@ -118,7 +114,7 @@ def test_each_side_of_the_wire_owns_its_code():
 def test_a_client_import_by_the_server_would_be_found():
     graph = {"sgl_embeds_srt.plugin": {"sgl_embeds"}, "sgl_embeds": set()}
     assert any(_side(d) == "client" for d in graph["sgl_embeds_srt.plugin"])
-    assert _side("sgl_embeds_srt.wire") == "shared" and _side("sgl_embeds_srt.http") == "server"
+    assert _side("sgl_embeds_protocol.wire") == "shared" and _side("sgl_embeds_srt.http") == "server"
     assert _side("sgl_embeds_cpu.kernels") == "cpu"
 
 
@@ -162,7 +158,7 @@ def test_every_module_and_function_named_in_the_architecture_doc_exists():
 
 # -- the module map and the test tree as docs/architecture.md draws them ------------------------
 
-_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|sgl_embeds_cpu|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
+_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|sgl_embeds_protocol|sgl_embeds_cpu|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
 
 
 def test_the_module_map_lists_every_module_on_its_side():
@@ -303,12 +299,12 @@ def test_every_sabotage_patch_still_applies():
 # Where a family's name may be written in the packages: its record (the table every other module
 # reads) and its family modules (docs/architecture.md, "Adding a family"); the test builders are
 # test support, not the client
-FAMILY_HOMES = {"sgl_embeds_srt/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
+FAMILY_HOMES = {"sgl_embeds_protocol/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
                 "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py"}
 
 
 def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:
-    from sgl_embeds_srt.family import FAMILIES
+    from sgl_embeds_protocol.family import FAMILIES
 
     names = {family.name for family in FAMILIES}
     found = []
@@ -343,7 +339,7 @@ def test_importing_the_client_loads_no_familys_code():
     import subprocess
     import sys
 
-    from sgl_embeds_srt.family import FAMILIES
+    from sgl_embeds_protocol.family import FAMILIES
 
     # transformers.models.<name>.modeling_* (its image processors are loaded by transformers itself)
     towers = ["clip", "siglip", *(family.name for family in FAMILIES)]

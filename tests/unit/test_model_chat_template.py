@@ -10,7 +10,7 @@ import sglang as sgl
 import sgl_embeds
 from sgl_embeds.vlm import render_chat
 from sgl_embeds.vlm.prompt import model_chat_template
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 
 # Qwen2-VL's form: a default system turn when none is given, an image as its vision tokens
 WITH_DEFAULT_SYSTEM = (

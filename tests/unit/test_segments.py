@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol import wire
 from sgl_embeds_srt.parse import segments_from_wire
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder, placeholder_ids
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_embeds_srt import binary_body, keys
+from sgl_embeds_protocol import binary_body, keys
 from sgl_embeds_srt.handles import SpanStore
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_protocol.segments import Span
 
 
 def test_store_evicts_least_recently_used_within_its_budget():

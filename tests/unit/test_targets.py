@@ -11,7 +11,8 @@ from unittest import mock
 import helpers
 from sgl_embeds import hooks
 from sgl_embeds_cpu import plugin as cpu_plugin
-from sgl_embeds_srt import plugin, targets
+from sgl_embeds_protocol import targets
+from sgl_embeds_srt import plugin
 
 def test_pinned_sglang_version_is_installed():
     assert targets.installed_version() == targets.SGLANG_VERSION
@@ -19,7 +20,7 @@ def test_pinned_sglang_version_is_installed():
 
 def test_every_guarded_internal_is_as_recorded():
     found = targets.problems()
-    assert not found, "SGLang internals changed; see sgl_embeds_srt/targets.py:\n" + "\n".join(found)
+    assert not found, "SGLang internals changed; see sgl_embeds_protocol/targets.py:\n" + "\n".join(found)
 
 
 def test_every_patched_or_called_function_has_a_fingerprint():
@@ -91,7 +92,7 @@ def test_a_changed_frontend_target_fails_the_client_import(tmp_path):
               "def fork(self, *args, **kwargs):\n"
               "    return _stock(self, *args, **kwargs)\n"
               "interpreter.StreamExecutor.fork = fork\n")
-    then = ("from sgl_embeds_srt.targets import ChangedSGLang\n"
+    then = ("from sgl_embeds_protocol.targets import ChangedSGLang\n"
             "try:\n    import sgl_embeds\nexcept ChangedSGLang as e:\n    print('REFUSED', e)\n    sys.exit(3)\n")
     out = helpers.run_with_changed_sglang(tmp_path, change, then)
     assert out.returncode == 3, out.stderr[-3000:]

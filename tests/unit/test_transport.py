@@ -13,7 +13,7 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 from sgl_embeds_srt import scheduler, transport
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
-from sgl_embeds_srt.segments import Span
+from sgl_embeds_protocol.segments import Span
 from sgl_embeds_srt.transport import PromptRows, RowsOnTheWire, RowsTransport, SchedulerRows
 
 HIDDEN = 8

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 from sgl_embeds_srt.image_spans import VisionSpec, identity
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
-from sgl_embeds_srt.segments import Grid, Ids, Span
+from sgl_embeds_protocol.segments import Grid, Ids, Span
 
 START, END, IMAGE, VIDEO = 500, 501, 502, 503
 

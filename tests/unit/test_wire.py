@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 from sgl_embeds_srt.parse import decode_span
 
 

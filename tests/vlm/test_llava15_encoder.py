@@ -15,7 +15,7 @@ from PIL import Image
 
 import helpers
 import sgl_embeds
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
 from sgl_embeds.testing import reference as ref

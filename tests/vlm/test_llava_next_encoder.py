@@ -25,7 +25,7 @@ from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevis
 from sgl_embeds.vision import EncoderCache, mask_image
 from sgl_embeds.vlm import AnyresEncoder, image_prompt, load_encoder, render_chat, split
 from sgl_embeds.vlm.tower import WEIGHTS_NAME
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
 

@@ -30,8 +30,8 @@ import requests
 
 import helpers
 from sgl_embeds import EmbedsEndpoint
-from sgl_embeds_srt import binary_body
-from sgl_embeds_srt.segments import Grid, Span, Text
+from sgl_embeds_protocol import binary_body
+from sgl_embeds_protocol.segments import Grid, Span, Text
 from qwen_vl_harness import (BOX, MIN_COMPARED, MAX_TOKENS, ask, assert_matches_hf, assert_regions_match_hf, chat_text,
                              clip_span, grid_span, span_segments)
 from sgl_embeds.testing import reference as ref

@@ -23,8 +23,8 @@ from sgl_embeds.testing import reference as ref
 from sgl_embeds.testing.qwen_vl import FACTOR, IMAGE_PLACEHOLDER, hf_qwen_vl, image_rows
 from sgl_embeds.vision import EncoderCache, VisionRows, as_vision_rows, encode_region
 from sgl_embeds.vlm import QwenVLEncoder, image_prompt, load_encoder, render_chat
-from sgl_embeds_srt import segments as seg
-from sgl_embeds_srt.segments import Grid
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.segments import Grid
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness

@@ -32,7 +32,7 @@ from sgl_embeds.testing.qwen_vl import (
     tiny_qwen2_vl_dir,
     tiny_qwen3_vl_dir,
 )
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 pytestmark = pytest.mark.server
 CHECKPOINTS = {"qwen3_vl_spans": tiny_qwen3_vl_dir, "qwen2_vl_spans": tiny_qwen2_vl_dir}

@@ -20,7 +20,7 @@ from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, Mul
 from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
 from sgl_embeds_srt import image_spans, model_runner  # noqa: E402
-from sgl_embeds_srt.segments import Grid  # noqa: E402
+from sgl_embeds_protocol.segments import Grid  # noqa: E402
 
 HIDDEN, VOCAB, IMAGE_TOKEN = 64, 100, 11
 PATCH_WIDTH = 1176  # Qwen2.5-VL's raw patch width: its get_image_feature runs the tower on these

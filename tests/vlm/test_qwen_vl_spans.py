@@ -45,8 +45,8 @@ from sgl_embeds.testing.qwen_vl import (
     tiny_qwen3_vl_dir,
 )
 from sgl_embeds.testing.server import Gateway
-from sgl_embeds_srt import keys, wire
-from sgl_embeds_srt.segments import Grid, Span, Text
+from sgl_embeds_protocol import keys, wire
+from sgl_embeds_protocol.segments import Grid, Span, Text
 
 pytestmark = pytest.mark.server
 

@@ -26,7 +26,7 @@ from sgl_embeds.testing.qwen_vl import (
     sample_images,
 )
 from sgl_embeds.vlm import load_encoder
-from sgl_embeds_srt import wire
+from sgl_embeds_protocol import wire
 
 pytestmark = pytest.mark.server
 OTHER_SEED = 14  # another clip, whose answers are varied on every family (measured)

@@ -25,7 +25,7 @@ from sgl_embeds.testing.models import tiny_llava_dir
 from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
 from sgl_embeds.vision import crop, encode_region
 from sgl_embeds.vlm import render_chat
-from sgl_embeds_srt import segments as seg
+from sgl_embeds_protocol import segments as seg
 
 MAX_TOKENS = 8
 MIN_COMPARED = 6

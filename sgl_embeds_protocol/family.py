@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_embeds_srt.info import TEXT, ServedModel
-from sgl_embeds_srt.segments import SECONDS_PER_STEP, TIMESTAMPS
+from sgl_embeds_protocol.info import TEXT, ServedModel
+from sgl_embeds_protocol.segments import SECONDS_PER_STEP, TIMESTAMPS
 
 FAMILY_FILE = "sgl_embeds_family.json"
 

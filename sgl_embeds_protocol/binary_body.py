@@ -37,8 +37,8 @@ import numpy as np
 import orjson
 import torch
 
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.keys import raw_bytes
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.keys import raw_bytes
 
 CONTENT_TYPE = "application/x-sgl-embeds"
 ALIGN = 64  # encode_parts starts the buffer and each range at a multiple of this

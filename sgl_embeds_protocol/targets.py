@@ -9,7 +9,7 @@ behaviour-relevant code changes it while a moved line or a reworded comment does
 ``check(side)`` runs every guard of a side and raises ``ChangedSGLang`` naming each target that
 is missing or changed and what differed; the plugin's ``register()`` turns that into a refused
 launch (``plugin.py``), the client's ``install()`` into a failed ``import sgl_embeds``. After an
-SGLang upgrade, ``python -m sgl_embeds_srt.targets`` lists what changed and the new fingerprints
+SGLang upgrade, ``python -m sgl_embeds_protocol.targets`` lists what changed and the new fingerprints
 to record once each change is reviewed.
 
 ``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server, with the CPU
@@ -303,7 +303,7 @@ def check(side: str) -> None:
             f"{installed_version()} differs in {len(found)} internal(s) it patches or relies on:\n  "
             + "\n  ".join(found)
             + f"\nRefusing to run on them: install sglang=={SGLANG_VERSION}, or review each change and "
-            "record its new guard in sgl_embeds_srt/targets.py (`python -m sgl_embeds_srt.targets`)."
+            "record its new guard in sgl_embeds_protocol/targets.py (`python -m sgl_embeds_protocol.targets`)."
         )
 
 

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from blake3 import blake3
 
-from sgl_embeds_srt import wire
-from sgl_embeds_srt.segments import Grid, Ids, Segment, Span, Text
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.segments import Grid, Ids, Segment, Span, Text
 
 try:
-    from sgl_embeds_srt import _row_digests as native_rows
+    from sgl_embeds_protocol import _row_digests as native_rows
 except ImportError:  # built without a C compiler (setup.py): the Python loop below, same digests
     native_rows = None
 
