@@ -96,7 +96,7 @@ import torch
 import sgl_embeds
 from sgl_embeds import Span, Text
 backend = sgl_embeds.connect(url)
-assert backend.server_info["model"]["served_as"] == "text" and backend.vision_encoder is None
+assert backend.server_info.model.served_as == "text" and backend.vision_encoder is None
 rows = torch.randn(4, backend.span_width)
 out = backend.run(input_segments=[Text("Here: "), Span(rows), Text(" What is the capital of France?")],
                   sampling_params={"max_new_tokens": 8, "temperature": 0})
