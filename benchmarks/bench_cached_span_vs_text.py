@@ -53,7 +53,7 @@ from sglang.utils import http_request
 
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, provenance, save, server, table, tokenizer
-from sgl_embeds.testing.models import wide_model_dir
+from sgl_embeds_testing.models import wide_model_dir
 from sgl_embeds_protocol import binary_body, keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.writer import HeldSpans

@@ -38,8 +38,8 @@ from PIL import Image
 import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, machine, p50, provenance, save, server, table
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds.testing.encoders import synthetic_scene
-from sgl_embeds.testing.llava_next import bench_llava_next_dir, bench_llava_onevision_dir, split_dir
+from sgl_embeds_testing.encoders import synthetic_scene
+from sgl_embeds_testing.llava_next import bench_llava_next_dir, bench_llava_onevision_dir, split_dir
 from sgl_embeds.vlm import AnyresEncoder, load_encoder
 from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import LlavaEncoder, Projector, TowerGeometry, VisionConfig, build_tower

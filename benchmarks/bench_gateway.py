@@ -30,7 +30,7 @@ import sgl_embeds  # noqa: F401
 from common import commit, demo_dir, embedding_table, machine, p50, pct, provenance, save, table
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds_protocol.segments import Span, Text
-from sgl_embeds.testing.server import Gateway, Server, start_all
+from sgl_embeds_testing.server import Gateway, Server, start_all
 
 SPANS, QUESTIONS = 16, 4
 POLICIES = {"cache-aware, sees spans": "cache_aware", "round-robin": "round_robin"}

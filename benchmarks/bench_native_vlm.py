@@ -65,7 +65,7 @@ from sgl_embeds_protocol import keys, wire
 from sgl_embeds_srt import prompts
 from sgl_embeds_srt.image_spans import VisionSpec
 from sgl_embeds_protocol.segments import Grid, Span, Text
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing.qwen_vl import (
     IMAGE_PAD, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, bench_qwen2_5_vl_dir,
     bench_qwen3_vl_dir, sample_clip)
 from sgl_embeds.vision import VisionRows
@@ -226,7 +226,7 @@ def run_http(model_dir: Path, rounds: int) -> dict:
 def engine_child(model_dir: Path, rounds: int) -> dict:
     """The in-process sides, in this (child) process: ``Engine.shutdown`` kills its caller's
     children, and the engine must not share the CPU with the HTTP server."""
-    from sgl_embeds.testing.server import engine as make_engine
+    from sgl_embeds_testing.server import engine as make_engine
 
     encoder = QwenVLEncoder(model_dir, device="cpu")
     eng = make_engine(model_dir, enable_multimodal=True, mm_attention_backend="sdpa", enable_cache_report=True)

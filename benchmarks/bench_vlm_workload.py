@@ -1,7 +1,7 @@
 """A closed-loop multi-turn VLM chat workload: stock SGLang serving a Qwen2.5-VL natively vs ours
 (issue #35).
 
-The workload and its arms are ``sgl_embeds.testing.workload``'s: N users, each a chat of
+The workload and its arms are ``workload``'s: N users, each a chat of
 ``--turns`` turns, every turn an image item (an image of a shared pool, or a box or a mask of
 one) and a question, a chosen share of turns reusing an item seen before (Zipf over the items
 seen); planned from a seed and recorded, so every arm replays the same turns. Arms, on the
@@ -51,9 +51,9 @@ from dataclasses import replace
 from transformers import AutoTokenizer
 
 from common import RESULTS, make_server, pct, provenance, save, table
-from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
-from sgl_embeds.testing.server import start_all, stop_all
-from sgl_embeds.testing.workload import (
+from sgl_embeds_testing.qwen_vl import bench_qwen2_5_vl_dir
+from sgl_embeds_testing.server import start_all, stop_all
+from workload import (
     ARMS, SMG_ARMS, Arm, ArmClient, Turn, plan_record, plan_turns, prompt_tokens_taken, route, run_episode,
     server_stage_totals, turn_stages,
 )

@@ -17,8 +17,8 @@ from pathlib import Path
 import requests
 import torch
 
-from sgl_embeds.testing.models import demo_model_dir
-from sgl_embeds.testing.server import Server
+from sgl_embeds.demo import demo_model_dir
+from sgl_embeds_testing.server import Server
 
 RESULTS = Path(__file__).with_name("results")
 

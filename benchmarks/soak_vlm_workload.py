@@ -36,9 +36,9 @@ import requests
 from transformers import AutoTokenizer
 
 from common import RESULTS, make_server, provenance, save, table
-from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
+from sgl_embeds_testing.qwen_vl import bench_qwen2_5_vl_dir
 from sgl_embeds.vision import EncoderCache
-from sgl_embeds.testing.workload import ARMS, ArmClient, plan_turns, pool_image, process_rss, rss, run_episode
+from workload import ARMS, ArmClient, plan_turns, pool_image, process_rss, rss, run_episode
 from sgl_embeds.vlm import QwenVLEncoder
 
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]

@@ -95,7 +95,7 @@ QWEN2_5_VL_7B = Sizes.from_config({
 
 def bench_sizes() -> Sizes:
     """The bench model's (``testing.qwen_vl.bench_qwen2_5_vl_dir``)."""
-    from sgl_embeds.testing.qwen_vl import bench_qwen2_5_vl_dir
+    from sgl_embeds_testing.qwen_vl import bench_qwen2_5_vl_dir
 
     return Sizes.from_config(json.loads((bench_qwen2_5_vl_dir() / "config.json").read_text()))
 

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import body, generate, seeded_rows, span, text  # noqa: E402
-from sgl_embeds.testing.models import tiny_model_dir  # noqa: E402
-from sgl_embeds.testing.server import Server  # noqa: E402
+from sgl_embeds_testing.models import tiny_model_dir  # noqa: E402
+from sgl_embeds_testing.server import Server  # noqa: E402
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the hierarchical cache's host pool needs CUDA")

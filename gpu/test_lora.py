@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import body, generate, reference_embeds, seeded_rows, span, text  # noqa: E402
-from sgl_embeds.testing import reference as ref  # noqa: E402
-from sgl_embeds.testing.models import tiny_model_dir  # noqa: E402
-from sgl_embeds.testing.server import Server  # noqa: E402
+from sgl_embeds_testing import reference as ref  # noqa: E402
+from sgl_embeds_testing.models import tiny_model_dir  # noqa: E402
+from sgl_embeds_testing.server import Server  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj"]
 

@@ -12,9 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, to_segments, with_other_spans  # noqa: E402
-from sgl_embeds.testing import reference as ref  # noqa: E402
-from sgl_embeds.testing.models import tiny_model_dir  # noqa: E402
-from sgl_embeds.testing.server import Server  # noqa: E402
+from sgl_embeds_testing import reference as ref  # noqa: E402
+from sgl_embeds_testing.models import tiny_model_dir  # noqa: E402
+from sgl_embeds_testing.server import Server  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

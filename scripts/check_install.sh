@@ -49,7 +49,7 @@ step "pip install . (no deps, no network)"
 "$TMP/venv/bin/python" -m pip install -q --no-deps --ignore-installed --no-build-isolation --no-index "$CHECKOUT" \
   >"$TMP/pip.log" 2>&1 || { tail -n 30 "$TMP/pip.log"; exit 1; }
 
-DEMO=$("$PY" -c 'from sgl_embeds.testing.models import demo_model_dir; print(demo_model_dir())')
+DEMO=$("$PY" -c 'from sgl_embeds.demo import demo_model_dir; print(demo_model_dir())')
 cd "$TMP"  # nothing of the checkout on sys.path from here on
 export -n PYTHONPATH 2>/dev/null || true
 unset PYTHONPATH
@@ -79,7 +79,7 @@ print(f"    with SGL_EMBEDS_CPU_KERNELS=1: sgl_kernel from {sgl_kernel.__file__}
 PY
 
 step "sgl_embeds serve DEMO (the console script), then connect + a span"
-PORT=$("$TMP/venv/bin/python" -c 'from sgl_embeds.testing.server import free_port; print(free_port())')
+PORT=$("$TMP/venv/bin/python" -c 'from sgl_embeds_testing.server import free_port; print(free_port())')
 HF_HUB_OFFLINE=1 "$TMP/venv/bin/sgl_embeds" serve "$DEMO" --host 127.0.0.1 --port "$PORT" \
   >"$TMP/server.log" 2>&1 &
 SERVER_PID=$!

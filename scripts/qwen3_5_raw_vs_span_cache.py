@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import QWEN3_5_ARGS, QWEN_VL_ARGS  # noqa: E402
 from qwen_vl_harness import chat_text, grid_span, span_segments  # noqa: E402
 
-from sgl_embeds.testing.qwen_vl import png_base64, sample_images, tiny_qwen3_5_dir  # noqa: E402
-from sgl_embeds.testing.server import Server  # noqa: E402
+from sgl_embeds_testing.qwen_vl import png_base64, sample_images, tiny_qwen3_5_dir  # noqa: E402
+from sgl_embeds_testing.server import Server  # noqa: E402
 
 PROMPTS = [("describe it in a few words", ("disc",)), ("describe what you see", ("disc",)),
            ("what is in the two pictures and how do they differ", ("disc", "square"))]

@@ -44,9 +44,10 @@ else
   PIP install -r requirements/sglang-cpu.txt || fail "install SGLang's CPU runtime requirements"
 fi
 
-step "4/6 sgl_embeds (editable) and the test tools"
+step "4/6 sgl_embeds and its test support (editable) and the test tools"
 PIP install -r requirements/dev.txt || fail "install requirements/dev.txt"
 PIP install --no-deps -e . || fail "install sgl_embeds in editable mode"
+PIP install --no-deps -e testing || fail "install the test support (testing/, sgl_embeds_testing) in editable mode"
 # The CPU kernels are an opt-in plugin (sgl_embeds_cpu: entry points, no .pth). An earlier setup
 # wrote a .pth that loaded them in every Python process of the venv: gone.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

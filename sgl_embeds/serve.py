@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -168,16 +169,26 @@ def split_dir(checkpoint: Path, progress: bool = True, make: bool = True) -> Pat
     if not make:
         print(f"[serve] {checkpoint} would be split into {target}", flush=True)
         return target
+    build_once(target, lambda tmp: split(checkpoint, tmp, progress=progress), done="llm/config.json")
+    print(f"[serve] split into {target}", flush=True)
+    return target
+
+
+def build_once(target: Path, build: Callable[[Path], None], done: str = "config.json") -> Path:
+    """``target``, built by ``build(folder)`` into a temporary folder renamed when done, so an
+    interrupted build is never reused; a target that holds ``done`` is not built again."""
+    if (target / done).exists():
+        return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
-        split(checkpoint, tmp, progress=progress)
+        build(tmp)
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"[serve] split into {target}", flush=True)
     return target
 
 

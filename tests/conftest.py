@@ -27,14 +27,15 @@ if not torch.cuda.is_available():
 
     cpu_plugin.turn_on()
 
-from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
-from sgl_embeds.testing.models import demo_model_dir, tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
+from sgl_embeds.demo import demo_model_dir
+from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
+from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
     tiny_qwen3_vl_dir,
 )
-from sgl_embeds.testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
-from sgl_embeds.testing.server import Gateway, Server, ServerPool, free_port
+from sgl_embeds_testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
+from sgl_embeds_testing.server import Gateway, Server, ServerPool, free_port
 
 # Each server holds ~2 GB (its three processes) and a test may start more of its own: four pooled
 # servers leave room for those in 24 GB and keep restarts rare in file order

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from helpers import OUTPUT_LOGPROBS, seeded_rows as rows
-from sgl_embeds.testing.server import engine as make_engine
+from sgl_embeds_testing.server import engine as make_engine
 
 
 def main(model_dir: str) -> dict:
@@ -65,7 +65,7 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
     """Image spans and a clip's (rows with their grid, as tensors) on a Qwen-VL engine over
     ``model_dir``; the rows come from HF's vision module on ``rows_dir``'s weights (the clip:
     the family's ``CLIPS`` of ``sample_clip``)."""
-    from sgl_embeds.testing.qwen_vl import (  # HF's model: only this probe needs it
+    from sgl_embeds_testing.qwen_vl import (  # HF's model: only this probe needs it
         IMAGE_PLACEHOLDER, VISION_END, VISION_START, clip_rows, image_rows, sample_clip, sample_images)
 
     eng = make_engine(model_dir, enable_multimodal=True, mm_attention_backend="sdpa",

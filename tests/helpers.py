@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from sgl_embeds_protocol import wire
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server, cpu_env
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.server import Server, cpu_env
 
 GREEDY = {"temperature": 0.0}
 # A pooled server of each family served (tests/conftest.py): a text LLM, the Qwen-VL families served

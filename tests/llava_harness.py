@@ -17,7 +17,7 @@ from PIL import Image
 import helpers
 import sgl_embeds
 from sgl_embeds import EmbedsEndpoint
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 from sgl_embeds.vlm import image_prompt, load_encoder, render_chat
 
 MAX_TOKENS = 10

@@ -13,8 +13,8 @@ import sglang as sgl
 
 import helpers
 from sgl_embeds import EmbedsEndpoint, vision
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, clip_rows,
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VISION_END, VISION_START, clip_rows,
                                        hf_qwen_vl, image_rows, qwen_vl_greedy, sample_images,
                                        tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir)
 from sgl_embeds.vlm import load_encoder

@@ -1,6 +1,6 @@
 """Every tutorial notebook in examples/ is committed with its outputs (a reader on the web sees
 its answers and pictures) and runs top to bottom against real CPU servers, where it must show the
-same claims as the committed run (``sgl_embeds.testing.claims``: the ✓ lines, which hold only what
+same claims as the committed run (``sgl_embeds_testing.claims``: the ✓ lines, which hold only what
 is stable across machines) and the same pictures. ``make notebooks`` refreshes the outputs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from sgl_embeds.testing.claims import claims_in
+from sgl_embeds_testing.claims import claims_in
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.ipynb"))
 MIN_CLAIMS = 3

@@ -15,7 +15,7 @@ import sglang as sgl
 
 from helpers import generate, span, text
 from sgl_embeds import EmbedsEndpoint
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 pytestmark = pytest.mark.server
 WORDS = " the red fox near the blue house"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import body, generate, seeded_rows, span, text
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server, start_all, stop_all
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.server import Server, start_all, stop_all
 
 pytestmark = pytest.mark.server
 A = "the red fox near the house and the small dog"

@@ -10,8 +10,8 @@ import torch
 
 from helpers import body, seeded_rows, span, text
 from sgl_embeds_protocol import wire
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.server import Server, on_cpu, start_all, stop_all
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.server import Server, on_cpu, start_all, stop_all
 
 pytestmark = pytest.mark.server
 KEY = "test-secret-key"

@@ -11,8 +11,8 @@ import sgl_embeds
 from helpers import LOGPROBS, assert_select_scores, hf_select_scores, reference_embeds, seeded_rows, with_other_spans
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds_protocol import segments as seg
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.encoders import GridEncoder
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import GridEncoder
 
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import seeded_rows as rows
 from helpers import reference_embeds, with_other_spans
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 pytestmark = pytest.mark.server
 

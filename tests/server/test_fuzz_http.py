@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import helpers
 from llava_harness import LlavaHarness
 from qwen_vl_harness import ask, assert_matches_hf, chat_text, grid_span, span_segments
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
 from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol.segments import GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
 from strategies import HELD_ROWS, payloads, prompts

@@ -22,7 +22,7 @@ from sgl_embeds import sender as sender_module
 from sgl_embeds_protocol import keys, wire
 from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds_protocol.segments import Span, Text
-from sgl_embeds.testing.server import Gateway
+from sgl_embeds_testing.server import Gateway
 
 
 def _post(url: str, payload: dict, path: str = "/generate") -> requests.Response:

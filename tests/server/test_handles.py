@@ -9,7 +9,7 @@ import torch
 
 from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text, with_other_spans
 from sgl_embeds_protocol import wire
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 
 

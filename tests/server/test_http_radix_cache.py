@@ -9,7 +9,7 @@ import requests
 import torch
 
 from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 A = "the red fox near the house and"
 B = " describe it"
@@ -22,7 +22,7 @@ def _cached(out: dict) -> int:
 
 
 def test_prefix_hits_cover_spans_and_never_collide(llama_server, llama_dir):
-    from sgl_embeds.testing.reference import hf_tokenizer
+    from sgl_embeds_testing.reference import hf_tokenizer
 
     n_a = len(hf_tokenizer(str(llama_dir)).encode(A))
     E, F = seeded_rows(100, 12), seeded_rows(101, 12)
@@ -67,7 +67,7 @@ def test_cached_and_uncached_runs_are_identical_and_equal_hf(llama_server, llama
 
 def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, constrained_server, llama_dir):
     # chunk size 16: the 40-row span cannot fit in one chunk
-    from sgl_embeds.testing.reference import hf_tokenizer
+    from sgl_embeds_testing.reference import hf_tokenizer
 
     parts = [text("the quick fox"), span(seeded_rows(400, 40)), text(" is"), span(seeded_rows(401, 7)), text(" very")]
     want = generate(llama_server, body(parts, 10))["output_ids"]

@@ -68,7 +68,7 @@ def test_output_logprobs_and_null_input_logprobs_at_span_rows(llama_server):
     assert all(lp is not None and lp <= 0 and tid < 1000 for lp, tid, _ in meta["output_token_logprobs"])
     inputs = meta["input_token_logprobs"]
     assert len(inputs) == meta["prompt_tokens"]
-    n_a = 1 + len(__import__("sgl_embeds.testing.reference", fromlist=["x"]).hf_tokenizer(str(llama_server.model_dir)).encode("the red fox", add_special_tokens=False))
+    n_a = 1 + len(__import__("sgl_embeds_testing.reference", fromlist=["x"]).hf_tokenizer(str(llama_server.model_dir)).encode("the red fox", add_special_tokens=False))
     span_entries = inputs[n_a : n_a + 6]
     assert all(e == [None, None, None] for e in span_entries), span_entries
     text_entries = inputs[n_a + 6 :]

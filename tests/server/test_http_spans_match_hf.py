@@ -7,7 +7,7 @@ import torch
 
 import helpers
 from helpers import LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text, to_segments, with_other_spans
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 WORDS = ["the red fox", " near the blue house", " what is the color of", " describe the image", " yes"]
 

@@ -8,7 +8,7 @@ import torch
 
 from helpers import LOGPROBS, body, chat_as_generate, generate, reference_embeds, seeded_rows, span, to_segments, with_other_spans
 from sgl_embeds_protocol import wire
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 
 

@@ -10,7 +10,7 @@ from helpers import assert_select_scores, hf_select_scores, seeded_rows
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds import EmbedsEndpoint
 from sgl_embeds_protocol import segments as seg
-from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
+from sgl_embeds_testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds.vision import crop
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sgl_embeds.testing.server import Server, ServerStartError
+from sgl_embeds_testing.server import Server, ServerStartError
 
 pytestmark = pytest.mark.server  # these start (failing) server processes
 

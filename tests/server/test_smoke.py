@@ -5,7 +5,7 @@ from __future__ import annotations
 import sglang as sgl
 
 from helpers import LOGPROBS, assert_select_scores, hf_select_scores
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 
 
 def test_text_generate_equals_hf_greedy(llama_server, llama_dir):

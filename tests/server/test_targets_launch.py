@@ -10,7 +10,7 @@ import os
 import pytest
 
 import helpers
-from sgl_embeds.testing.server import cpu_launch_args, free_port
+from sgl_embeds_testing.server import cpu_launch_args, free_port
 
 # A child's first lines: replace one internal by a function of the same signature and another
 # body (defined in a file, as SGLang's are, so its source can be read), as a changed SGLang would.
@@ -91,7 +91,7 @@ def test_a_server_launched_in_a_multiprocessing_child_is_checked_and_serves_span
 
     import requests
 
-    from sgl_embeds.testing.server import cpu_env
+    from sgl_embeds_testing.server import cpu_env
     from sgl_embeds_srt.plugin import LOADED_BY_VAR
 
     assert LOADED_BY_VAR not in os.environ  # this test process never loaded the plugin

@@ -13,7 +13,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from sgl_embeds.testing.workload import (
+from workload import (
     ARMS, SMG_ARMS, ArmClient, Turn, plan_turns, prompt_tokens_taken, route, run_episode, server_stage_totals,
     turn_stages,
 )

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from safetensors import safe_open
 
-from sgl_embeds.testing.qwen_vl import tiny_qwen2_5_vl_dir
+from sgl_embeds_testing.qwen_vl import tiny_qwen2_5_vl_dir
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-import vlm_workload_at_gpu_scale as gpu_scale  # noqa: E402
+import vlm_workload_at_gpu_scale as gpu_scale  # benchmarks/ (pyproject: pythonpath)
 
 
 def _matrix_weights(model_dir: Path, prefix: str) -> int:

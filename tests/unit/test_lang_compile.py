@@ -12,7 +12,7 @@ from sglang.lang.interpreter import ProgramState, StreamExecutor
 
 import sgl_embeds
 from sgl_embeds import lang
-from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
+from sgl_embeds_testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds_protocol import segments as seg
 
 

@@ -17,22 +17,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT, SERVER, SHARED, CPU = "sgl_embeds", "sgl_embeds_srt", "sgl_embeds_protocol", "sgl_embeds_cpu"
+TESTING = "sgl_embeds_testing"  # the test support: testing/, a distribution the wheel never carries
 # the one import of the CPU kernels' switch from outside them: testing.server.engine turns them on
 # in a process that may have imported SGLang before the opt-in (an in-process Engine)
-CPU_SWITCH_USERS = {"sgl_embeds.testing.server": {CPU, f"{CPU}.plugin"}}
+CPU_SWITCH_USERS = {"sgl_embeds_testing.server": {CPU, f"{CPU}.plugin"}}
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[1:] if parts[0] == "testing" else parts  # testing/sgl_embeds_testing/...
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _side(module: str) -> str:
-    return {SERVER: "server", SHARED: "shared", CPU: "cpu"}.get(module.split(".")[0], "client")
+    return {SERVER: "server", SHARED: "shared", CPU: "cpu", TESTING: "tests"}.get(module.split(".")[0], "client")
 
 
 def _files() -> list[Path]:
-    return [p for package in (CLIENT, SERVER, SHARED, CPU) for p in (ROOT / package).rglob("*.py")]
+    folders = [ROOT / package for package in (CLIENT, SERVER, SHARED, CPU)] + [ROOT / "testing" / TESTING]
+    return [p for folder in folders for p in folder.rglob("*.py")]
 
 
 def import_graph(packages: bool = False) -> dict[str, set[str]]:
@@ -94,12 +97,17 @@ def test_a_circle_would_be_found():
 
 def test_each_side_of_the_wire_owns_its_code():
     """No exemptions: the server and the shared modules never import the client package (its
-    ``__init__`` included), and the client and the shared modules never import server modules."""
+    ``__init__`` included), the client and the shared modules never import server modules, and
+    nothing the wheel installs imports the test support (the test support may import anything)."""
     graph = import_graph(packages=True)
     assert "sgl_embeds" in graph["sgl_embeds.vlm.tower"]  # the package __init__ a module runs
-    assert {_side(m) for m in graph} == {"client", "server", "shared", "cpu"}
+    assert {_side(m) for m in graph} == {"client", "server", "shared", "cpu", "tests"}
     for module, deps in graph.items():
         side = _side(module)
+        if side == "tests":
+            continue
+        tests = sorted(d for d in deps if _side(d) == "tests")
+        assert not tests, f"{module} imports the test support {tests}, which the wheel does not carry"
         if side in ("server", "shared", "cpu"):
             client = sorted(d for d in deps if _side(d) == "client")
             assert not client, f"{module} imports client modules {client}"
@@ -115,7 +123,7 @@ def test_a_client_import_by_the_server_would_be_found():
     graph = {"sgl_embeds_srt.plugin": {"sgl_embeds"}, "sgl_embeds": set()}
     assert any(_side(d) == "client" for d in graph["sgl_embeds_srt.plugin"])
     assert _side("sgl_embeds_protocol.wire") == "shared" and _side("sgl_embeds_srt.http") == "server"
-    assert _side("sgl_embeds_cpu.kernels") == "cpu"
+    assert _side("sgl_embeds_cpu.kernels") == "cpu" and _side("sgl_embeds_testing.server") == "tests"
 
 
 def test_loading_the_plugin_loads_no_client_module():
@@ -158,7 +166,7 @@ def test_every_module_and_function_named_in_the_architecture_doc_exists():
 
 # -- the module map and the test tree as docs/architecture.md draws them ------------------------
 
-_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|sgl_embeds_protocol|sgl_embeds_cpu|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
+_MAP_ROW = re.compile(r"^\| `((?:sgl_embeds|sgl_embeds_srt|sgl_embeds_protocol|sgl_embeds_cpu|testing|csrc)/[\w/.]*)` \| (\w+) \|", re.M)
 
 
 def test_the_module_map_lists_every_module_on_its_side():
@@ -173,7 +181,7 @@ def test_the_module_map_lists_every_module_on_its_side():
         row = rows.get(relative) or next((rows[d] for d in rows if d.endswith("/") and relative.startswith(d)), None)
         assert row is not None, f"docs/architecture.md's module map has no row for {relative}"
         side = _side(_module_name(path))
-        assert row == side or (row == "tests" and relative.startswith("sgl_embeds/testing/")), (relative, row, side)
+        assert row == side, (relative, row, side)
 
 
 TEST_ROOT = ROOT / "tests"
@@ -239,7 +247,7 @@ def _defined_names() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     read from the source (importing a module may install hooks: ``http/worker_app.py`` does)."""
     modules, classes = {}, {}
     for path in _files():
-        if path.name.startswith("__"):
+        if path.name.startswith("__") or _side(_module_name(path)) == "tests":  # the product's names
             continue
         top = set()
         for node in ast.parse(path.read_text()).body:
@@ -309,7 +317,7 @@ def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:
     names = {family.name for family in FAMILIES}
     found = []
     for rel, source in files.items():
-        if rel in FAMILY_HOMES or rel.startswith("sgl_embeds/testing/"):
+        if rel in FAMILY_HOMES or rel.startswith("testing/sgl_embeds_testing/"):
             continue
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Constant) and node.value in names:

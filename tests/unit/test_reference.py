@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.reference import FORGIVEN, NEAR_TIE, Greedy, check_greedy
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.reference import FORGIVEN, NEAR_TIE, Greedy, check_greedy
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
 pytestmark = pytest.mark.exactness

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from sgl_embeds import serve
-from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
-from sgl_embeds.testing.models import tiny_llava_dir, tiny_model_dir
-from sgl_embeds.testing.qwen_vl import tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_vl_dir
+from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
+from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
+from sgl_embeds_testing.qwen_vl import tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_vl_dir
 from sgl_embeds_cpu import plugin as cpu_plugin
 from sgl_embeds_protocol import family
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sgl_embeds.testing.server import Server, ServerPool, ServerStartError
+from sgl_embeds_testing.server import Server, ServerPool, ServerStartError
 
 
 class RecordingServer(Server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sgl_embeds.testing.workload import chat_pieces, plan_turns, region_of
+from workload import chat_pieces, plan_turns, region_of
 
 
 def test_a_seed_gives_one_plan():

@@ -18,9 +18,9 @@ import sgl_embeds
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.encoders import GridEncoder, synthetic_scene
-from sgl_embeds.testing.models import tiny_llava_dir
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import GridEncoder, synthetic_scene
+from sgl_embeds_testing.models import tiny_llava_dir
 from sgl_embeds.vision import EncoderCache, check_mask, mask_image
 from sgl_embeds.vlm import ImageProcessing, LlavaEncoder, image_prompt, load_encoder, render_chat, split
 from sgl_embeds.vlm.tower import WEIGHTS_NAME

@@ -9,8 +9,8 @@ import sglang as sgl
 from PIL import Image, ImageDraw
 
 from llava_harness import MAX_TOKENS, ask, harness_fixtures
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.encoders import synthetic_scene
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds.vision import mask_image
 
 vlm, _vlm_server_runs = harness_fixtures({"llama": "llava_llama", "qwen2": "llava_qwen"})

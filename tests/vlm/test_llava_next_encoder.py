@@ -19,9 +19,9 @@ from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoProcessor
 
 import helpers
 import sgl_embeds
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.encoders import scene_disc_mask, synthetic_scene
-from sgl_embeds.testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import scene_disc_mask, synthetic_scene
+from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.vision import EncoderCache, mask_image
 from sgl_embeds.vlm import AnyresEncoder, image_prompt, load_encoder, render_chat, split
 from sgl_embeds.vlm.tower import WEIGHTS_NAME

@@ -13,9 +13,9 @@ from PIL import Image
 
 import helpers
 from llava_harness import MAX_TOKENS, ask, harness_fixtures
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.encoders import scene_disc_mask, synthetic_scene
-from sgl_embeds.testing.qwen_vl import sample_images
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import scene_disc_mask, synthetic_scene
+from sgl_embeds_testing.qwen_vl import sample_images
 from sgl_embeds.vision import mask_image, region_image
 
 vlm, _vlm_server_runs = harness_fixtures({"llava_next": "llava_next", "llava_onevision": "llava_onevision"})

@@ -18,7 +18,7 @@ import requests
 import helpers
 from conftest import QWEN_VL_ARGS
 from qwen_vl_harness import CLIP_FAMILIES, MAX_TOKENS, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
-from sgl_embeds.testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, poisoned_vision_dir, qwen_vl_greedy,
+from sgl_embeds_testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, poisoned_vision_dir, qwen_vl_greedy,
                                        sample_clip, sample_images, tiny_qwen3_vl_dir)
 from sgl_embeds_protocol import keys, wire
 

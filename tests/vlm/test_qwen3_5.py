@@ -34,8 +34,8 @@ from sgl_embeds_protocol import binary_body
 from sgl_embeds_protocol.segments import Grid, Span, Text
 from qwen_vl_harness import (BOX, MIN_COMPARED, MAX_TOKENS, ask, assert_matches_hf, assert_regions_match_hf, chat_text,
                              clip_span, grid_span, span_segments)
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
     VISION_END,
     VISION_START,

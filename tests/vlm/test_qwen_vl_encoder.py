@@ -19,8 +19,8 @@ from transformers import AutoImageProcessor, AutoProcessor
 
 import helpers
 import sgl_embeds
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import FACTOR, IMAGE_PLACEHOLDER, hf_qwen_vl, image_rows
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.qwen_vl import FACTOR, IMAGE_PLACEHOLDER, hf_qwen_vl, image_rows
 from sgl_embeds.vision import EncoderCache, VisionRows, as_vision_rows, encode_region
 from sgl_embeds.vlm import QwenVLEncoder, image_prompt, load_encoder, render_chat
 from sgl_embeds_protocol import segments as seg

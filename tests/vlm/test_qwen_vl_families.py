@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import helpers
-from sgl_embeds.testing import reference as ref
+from sgl_embeds_testing import reference as ref
 from qwen_vl_harness import (BOX, MAX_TOKENS, ask, assert_matches_hf, assert_regions_match_hf, chat_text, grid_span,
                              span_segments)
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing.qwen_vl import (
     IMAGE_PAD,
     IMAGE_PLACEHOLDER,
     VISION_END,

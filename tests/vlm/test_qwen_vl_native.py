@@ -11,8 +11,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 import helpers
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.qwen_vl import (
     IMAGE_PAD,
     IMAGE_PLACEHOLDER,
     MAX_IMAGE_TOKENS,

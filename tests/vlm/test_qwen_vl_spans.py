@@ -26,7 +26,7 @@ from qwen_vl_harness import (CLIP_FAMILIES, image_program, MAX_TOKENS, ask, asse
                              span_segments)
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.vlm import load_encoder
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing.qwen_vl import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     VISION_END,
@@ -44,7 +44,7 @@ from sgl_embeds.testing.qwen_vl import (
     tiny_qwen2_vl_dir,
     tiny_qwen3_vl_dir,
 )
-from sgl_embeds.testing.server import Gateway
+from sgl_embeds_testing.server import Gateway
 from sgl_embeds_protocol import keys, wire
 from sgl_embeds_protocol.segments import Grid, Span, Text
 

@@ -16,7 +16,7 @@ import requests
 import helpers
 import sgl_embeds
 from qwen_vl_harness import CLIP_FAMILIES, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
-from sgl_embeds.testing.qwen_vl import (
+from sgl_embeds_testing.qwen_vl import (
     VIDEO_PLACEHOLDER,
     clip_rows,
     hf_qwen_vl,

@@ -19,10 +19,10 @@ import torch
 import helpers
 import sgl_embeds
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
-from sgl_embeds.testing import reference as ref
-from sgl_embeds.testing.llava_next import tiny_llava_next_dir
-from sgl_embeds.testing.models import tiny_llava_dir
-from sgl_embeds.testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.llava_next import tiny_llava_next_dir
+from sgl_embeds_testing.models import tiny_llava_dir
+from sgl_embeds_testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
 from sgl_embeds.vision import crop, encode_region
 from sgl_embeds.vlm import render_chat
 from sgl_embeds_protocol import segments as seg

