@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sglang as sgl
 
+from sgl_embeds import EmbedsEndpoint, demo
 from helpers import LOGPROBS, assert_select_scores, hf_select_scores
 from sgl_embeds_testing import reference as ref
 
@@ -38,3 +39,14 @@ def test_sgl_function_with_gen_and_select_through_runtime_endpoint(llama_server,
     assert state["answer"] == choices[max(range(3), key=lambda i: scores[i])], (state["answer"], scores)
     direct = llama_server.generate({"text": "the fox is", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
     assert state["words"] == direct["text"]
+
+
+def test_the_demo_program_answers_about_its_span_and_caches_it(demo_server):
+    """What ``make demo`` shows (``sgl_embeds.demo``), on the pool's demo server: SmolLM2 answers
+    from the description's embedding rows alone, and the second question reuses the span's KV."""
+    rows = demo.embedding_rows(demo.demo_model_dir(), demo.DESCRIPTION)
+    backend = EmbedsEndpoint(demo_server.url, chat_template_name="chatml")
+    first, second = (demo.ask.run(rows=rows, question=q, backend=backend) for q in demo.QUESTIONS)
+    assert "red" in first["answer"].lower(), first["answer"]  # the span's colour, never sent as text
+    meta = second.get_meta_info("answer")
+    assert meta["cached_tokens"] >= rows.shape[0], meta  # the system turn and the span, from cache
