@@ -1,17 +1,9 @@
 """The runtime backend: ``EmbedsEndpoint``, a ``RuntimeEndpoint`` that sends span prompts.
 
-SGLang's ``RuntimeEndpoint`` funnels every ``/generate`` body (gen, streaming, select, fork's
-prefix commit) through ``_add_images(s, data)``; that one method is where program text with span
-markers becomes ``input_segments``, written by the endpoint's ``writer.SpanWriter`` for a
-``sender.SpanRequest`` that the body carries to its post (``sender.post_stock_body``).
-``run(...)`` sends a prompt without a program, through the same ``sender.SpanSender``: the one
-place a request is resent inline (a handle the server does not hold) or as JSON (a binary body
-refused in between).
-
-``run`` and the stock calls (streaming excepted) send a request with spans as a binary body
-(``binary_body.py``: inline rows as raw bytes after a JSON head) where the server advertises one
-(``/get_model_info``'s ``binary_body``); ``sends_binary`` turns False once something in between
-refused one.
+Every stock ``/generate`` body (gen, streaming, select, fork's prefix commit) passes through
+``_add_images``, where program text with span markers becomes span fields written by the
+endpoint's ``writer.SpanWriter``; ``run(...)`` sends a prompt without a program. Both leave
+through the endpoint's ``sender.SpanSender`` (docs/architecture.md, steps 3-4).
 """
 
 from __future__ import annotations

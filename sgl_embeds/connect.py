@@ -1,15 +1,9 @@
 """``connect(url, vision=...)``: an ``EmbedsEndpoint`` whose vision half fits the served model.
 
-The server says what it serves in ``/sgl_embeds/info``'s ``"model"`` (``sgl_embeds_protocol.family``):
-its family, how it is served, where its vision half lies, whether an image's span carries a grid.
-``connect`` loads that vision half (``vision=None``), or takes the one given (a folder for
-``load_encoder``, or a ``VisionEncoder``), and refuses, before any request, one whose rows the
-server would refuse or misread: another span width, another family, a grid where none is taken or
-none where one is needed. The error says what would fit.
-
-The endpoint's chat template is then the model's own (``vlm.model_chat_template`` of the vision
-half's folder), so a program's ``sgl.user`` / ``sgl.assistant`` and ``sgl_embeds.image_part``
-write the prompt HF's processor writes for the same conversation (programs/ rely on it).
+It reads what the server serves (``/sgl_embeds/info``'s ``"model"``), loads that vision half or
+takes the one given, and refuses before any request one whose rows the server would refuse or
+misread (``fit_error``: family, span width, grid). The endpoint's chat template is the model's own
+(``vlm.model_chat_template``; docs/vision-encoders.md, "Chat turns instead of a rendered text").
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""DSL primitives ``sgl.embeds(x)``, ``sgl.region(box)``, ``sgl.video(frames, fps)`` and
-``sgl_embeds.image_part(image)``, and their executor hooks.
+"""The DSL's constructors (``sgl.embeds``, ``sgl.region``, ``sgl.video``, ``image_part``) and the
+interpreter hooks that run them (``executor_init``, ``execute``, ``fork``).
 
-A span enters the program's text as a *marker* (``segments.marker``: Unicode private-use
-characters around a per-program index), with the span kept in the table of the executor's
-``ProgramSpans``. Markers ride along everything SGLang's interpreter does to text (roles and chat
-templates, ``fork``, ``gen``/``select`` prefixes), and ``program_prompt`` splits the text at them
-into segments. Every executor gets its ``ProgramSpans`` in ``__init__`` and ``fork`` copies it to
-every branch, as SGLang's interpreter declares and copies its ``images_``.
-
-With a backend that has a ``vision_encoder``, ``sgl.image(...)`` is encoded client-side into a
-span too (with the image's grid when the encoder gives one, as ``QwenVLEncoder`` does), so
-VLM-style programs run on a text-only LLM plus the developer's own vision tower, or on a natively
-served Qwen2.5-VL without its tower running on the server.
+A span enters program text as a marker (``segments.marker``) while its rows stay in the
+executor's ``ProgramSpans``, declared once and copied on ``fork`` as SGLang does its ``images_``;
+``program_prompt`` splits the text at the markers (docs/architecture.md, steps 1-2).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The client's send path: a request with spans, written, posted, and written again once.
 
-``SpanSender`` sends the span requests of one endpoint to its server (or gateway): its
-``SpanWriter``, its address, and whether the server takes binary bodies. ``SpanRequest`` is one
-``/generate`` request whose prompts hold spans, with what it takes to write its span fields again.
-``SpanSender.send`` is the one place a request is resent: a server that does not hold a handle
-the body names answers ``UnknownSpanHandle``, or something in between (a gateway that reads
-bodies as JSON: smg does) refuses a binary body (``_refuses_binary``; the sender sends JSON from
-then on); the writer then forgets the request's spans and the request goes once more, its rows
-inline.
-
-Both ways a request leaves the client go through it. ``EmbedsEndpoint.run`` makes a
-``SpanRequest`` and sends it. A stock ``RuntimeEndpoint`` call (gen, streaming, select, fork's
-prefix commit) has its body written by ``EmbedsEndpoint._add_images`` and posts it itself, with
-its module's ``http_request``: the body's span field is then a ``SpanSegments``, a list that
-carries its ``SpanRequest``, and ``post_stock_body`` (the AROUND hook of that ``http_request``)
-sends such a body through its request's sender.
+``SpanSender.send`` is the one place a request is resent: inline when the server does not hold a
+handle it names (``UnknownSpanHandle``), as JSON when something in between refuses a binary body
+(``sends_binary`` turns False). ``SpanRequest`` is such a request: ``EmbedsEndpoint.run`` sends
+one, and a stock call's body carries its own in a ``SpanSegments`` to ``post_stock_body``, the
+hook of its ``http_request`` (docs/architecture.md, step 3).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""``python -m sgl_embeds serve CHECKPOINT [SGLang flags...]``: serve a checkpoint with the plugin.
+"""``python -m sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]``: serve with the plugin.
 
-It reads the checkpoint's ``config.json`` and takes the family's way (``plan``):
-
-* a LLaVA-family checkpoint (LLaVA-1.5, -NeXT, -OneVision) is split once into the split cache,
-  a folder keyed by the checkpoint's content (``split_dir``), and its LLM is served;
-* a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) is served natively, with SGLang's
-  multimodal path on;
-* a text LLM that SGLang serves is served as it is (spans of its hidden size);
-* anything else is a one-line error naming the families served.
-
-The launch flags suit the machine (``machine_args``: CPU defaults without a usable CUDA device,
-SGLang's own otherwise); the flags given after the checkpoint come last, so they override. It
-prints the exact ``python -m sglang.launch_server`` line, then becomes that process (``exec``:
-same pid, so signals reach SGLang). With ``--dry-run`` (anywhere after ``serve``) it prints the
-line and stops: nothing is split or launched (a LLaVA checkpoint's line names the folder its
-split would be made in).
-
-``launch`` starts the command as a child process for a notebook or script (``Served``: its
-``url``, ``stop()``).
+``plan`` reads the checkpoint's ``config.json`` and takes its family's way: a LLaVA checkpoint is
+split once into the split cache (``split_dir``) and its LLM served; a Qwen-VL one is served
+natively; a text LLM as it is; anything else is an error naming the families served. ``main``
+prints the ``sglang.launch_server`` line (the machine's flags, then yours, which override) and
+execs it, or with ``--dry-run`` only prints it; ``launch`` runs it as a child (``Served``).
 """
 
 from __future__ import annotations
@@ -201,7 +188,10 @@ DRY_RUN = "--dry-run"
 
 def main(argv: list[str]) -> int:
     """``serve CHECKPOINT [--dry-run] [SGLang flags...]``: print the launch line, then run it
-    (never returns unless it fails before the launch, or with ``--dry-run``)."""
+    (never returns unless it fails before the launch, or with ``--dry-run``). It becomes the
+    launched process (``exec``: the same pid, so signals reach SGLang). ``--dry-run`` may stand
+    anywhere after ``serve``: nothing is split or launched (a LLaVA checkpoint's line names the
+    folder its split would be made in)."""
     dry_run = DRY_RUN in argv
     argv = [arg for arg in argv if arg != DRY_RUN]
     if not argv or argv[0] in ("-h", "--help"):

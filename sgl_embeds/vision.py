@@ -1,25 +1,10 @@
-"""Vision encoders for ``sgl.region`` / ``sgl.image``: boxes, crops, and the open_clip default.
+"""Vision encoders for ``sgl.region`` / ``sgl.image``: boxes, masks, crops, the cache, a default.
 
-A ``VisionEncoder`` is any callable ``PIL.Image -> Tensor[n, hidden]``, or ``-> VisionRows`` when
-the rows carry the image's patch grid (on VLMs with M-RoPE, Qwen2.5-VL: the server places the
-rows by it). ``as_vision_rows`` checks either where it enters and gives ``VisionRows``. The default,
-``OpenClipEncoder``, is a VLM's front half: an open_clip vision tower followed by a projector to
-the LLM's hidden size (LLaVA-style), with weights loaded from the developer's own checkpoint.
-
-Boxes are ``(x0, y0, x1, y1)`` with ``x0 < x1`` and ``y0 < y1``:
-
-* all ``int``: pixels, ``0 <= x0 < x1 <= width`` (the right/bottom edges are exclusive);
-* all ``float`` in ``[0, 1]``: fractions of the width and height.
-
-Mixing ints and floats, or floats outside ``[0, 1]``, is ambiguous and raises ``ValueError``.
-
-A region may also be a binary *mask* (a 2-D numpy array, torch tensor or PIL image of the image's
-size): the encoder sees the mask's bounding box with the pixels outside the mask painted in the
-encoder's ``mean_color`` (the image processor's mean, which normalizes to about zero), so that
-only the masked pixels carry information.
-
-``EncoderCache`` keeps encoder outputs by (encoder identity, image content, box or mask): ten
-questions about one image run the tower once.
+A ``VisionEncoder`` is any callable ``PIL.Image -> [n, hidden]``, or ``-> VisionRows`` when the
+rows carry the image's grid; ``as_vision_rows`` checks either where it enters. A region is a box
+(all ints: pixels; all floats in [0, 1]: fractions; docs/reference.md) or a mask (its bounding
+box, the outside in the encoder's ``mean_color``). ``EncoderCache`` keeps outputs by encoder,
+image and region; ``OpenClipEncoder`` is an open_clip tower + projector (docs/vision-encoders.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The span writer: span prompts -> the fields of a ``/generate`` body, for one server.
 
-Every span the client sends is written here, once per request: its width is checked against the
-server's hidden size (and its values too, unless they were checked where the span entered:
-``sgl.embeds`` and the vision encoders check what they make), it is cast to the wire dtype and
-encoded (``wire.encode_tensor``; for a binary body, ``binary_body.py``, the rows stay a tensor),
-and a span this client has sent the server with ``keep_spans`` goes by its handle after that
-(``HeldSpans``). A server that does not hold a handle (evicted, or another worker behind a
-gateway) answers ``UnknownSpanHandle``; the endpoint then ``forget``s the request's spans and
-sends it again, so their rows go inline and are held again. Each body also carries a routing
-hint (``keys.routing_text``) as its ``text``, so a gateway's cache-aware policy sends a repeated
-span to the worker that holds it.
+``SpanWriter`` writes every span the client sends, once per request: its width against the
+server's hidden size (its values too, unless checked where the span entered), its wire encoding,
+by handle once this server holds it (``HeldSpans``; ``forget`` when it no longer does), and the
+routing hint ``keys.routing_text``. ``encode_prompt``: every span inline (docs/architecture.md,
+step 3).
 """
 
 from __future__ import annotations

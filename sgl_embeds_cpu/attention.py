@@ -1,14 +1,10 @@
-"""A faster extend (prefill) step for SGLang's ``torch_native`` attention backend.
+"""A faster extend (prefill) step for SGLang's ``torch_native`` attention backend (CPU).
 
-Stock ``TorchNativeAttnBackend._run_sdpa_forward_extend`` pads each request's queries to the
-*whole* sequence (cached prefix included) and runs causal attention over that square, so one new
-token after a 2,000-token cached prefix costs as much attention as prefilling all 2,000 again. On
-CPU, where SGLang falls back to this backend, that erases most of what a prefix-cache hit saves
-(measured: 2.0 s for one token after a cached 2,690-token text prompt on the demo model).
-
-This replacement attends only the new queries, with a mask that lets query ``i`` (absolute
-position ``prefix + i``) see keys ``0 .. prefix + i``: the same attention, without the padding.
-Requests with encoder context or sliding windows keep the stock path.
+Stock ``_run_sdpa_forward_extend`` pads each request's new queries to the whole sequence, cached
+prefix included, so on CPU a prefix-cache hit saved little (benchmarks/README.md, "What changed
+the CPU numbers"). ``sdpa_forward_extend`` attends only the new queries, query ``i`` seeing keys
+``0 .. prefix + i``: the same attention without the padding. Requests with encoder context or a
+sliding window keep the stock path.
 """
 
 from __future__ import annotations

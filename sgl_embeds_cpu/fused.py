@@ -1,15 +1,11 @@
 """Pure-torch versions of the fused elementwise ops SGLang's ``models/qwen3_5.py`` takes from
-``sgl_kernel`` on CPU (``torch.ops.sgl_kernel.<name>_cpu``, looked up when the module is imported).
+``sgl_kernel`` on CPU (``torch.ops.sgl_kernel.<name>_cpu``), and two CPU-only hooks.
 
-Each keeps the schema of its call site and the meaning of SGLang's Triton kernel of the same
-name (``srt/models/utils.py``, ``kernels/ops/attention/triton_gdn_fused_proj.py``); the norms
-are Qwen3.5's zero-centred RMS norms, ``x / rms(x) * (1 + w)``, computed in float32 and returned
-in the input's dtype (HF's ``Qwen3_5RMSNorm``).
-
-``rms_norm_gated`` and ``gate_sigmoid_mul`` are not ``sgl_kernel`` ops but the CPU plugin's
-hooks (``plugin.hook_table``) around SGLang's gated RMS norm (``targets.GATED_RMSNORM_FORWARD``)
-and Qwen3.5-MoE's shared-expert gate (``targets.GATE_SIGMOID_MUL``): on a CPU without AMX SGLang
-would run a Triton kernel.
+Each op keeps its call site's schema and the meaning of SGLang's Triton kernel of the same name
+(``srt/models/utils.py``, ``triton_gdn_fused_proj.py``); the norms are Qwen3.5's zero-centred RMS
+norms (``_gemma_rmsnorm``). ``rms_norm_gated`` and ``gate_sigmoid_mul`` are the CPU plugin's hooks
+(``targets.GATED_RMSNORM_FORWARD``, ``targets.GATE_SIGMOID_MUL``): without AMX SGLang would run a
+Triton kernel there.
 """
 
 from __future__ import annotations
@@ -21,6 +17,8 @@ import torch.nn.functional as F
 
 
 def _gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMS norm, ``x / rms(x) * (1 + w)``, computed in float32 and returned
+    in ``x``'s dtype (HF's ``Qwen3_5RMSNorm``)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 

@@ -1,18 +1,11 @@
 """Pure-torch Gated DeltaNet ops for SGLang's CPU path (Qwen3.5's linear-attention layers).
 
-SGLang 0.5.23's ``layers/attention/linear/`` (``gdn_backend.py``, ``kernels/gdn_triton.py``)
-takes these from ``sgl_kernel`` on CPU: ``causal_conv1d_fn_cpu``, ``causal_conv1d_update_cpu``
-and ``chunk_gated_delta_rule_cpu`` from ``sgl_kernel.mamba``, and the torch ops
-``fused_gdn_gating_cpu`` and ``fused_sigmoid_gating_delta_rule_update_cpu``. Each function here
-keeps the call signature of its call site and the meaning of SGLang's Triton kernel of the same
-role; ``kernels.py`` exports them under those names.
-
-The invariant the recurrent state keeps: a request's state lives in one slot of SGLang's pools,
-read and written in place through ``cache_indices`` (a negative index is a padding row: neither
-read nor written). Layouts are SGLang's, not HF's: the temporal (SSM) pool is
-``[slots, v_heads, v_dim, k_dim]`` (HF keeps ``[.., k_dim, v_dim]``), the conv pool
-``[slots, channels, kernel - 1]`` (the last inputs, oldest first). Key heads are shared by
-consecutive value heads (HF's ``repeat_interleave``). Arithmetic runs in float32.
+Each keeps its call site's signature (SGLang's ``layers/attention/linear/``) and the meaning of
+SGLang's Triton kernel of the same role; ``kernels.py`` exports them. The invariant: a request's
+state lives in one slot of SGLang's pools, read and written in place through ``cache_indices`` (a
+negative index is padding: untouched), in SGLang's layouts, not HF's: the SSM pool ``[slots,
+v_heads, v_dim, k_dim]``, the conv pool ``[slots, channels, kernel - 1]`` (oldest input first).
+Key heads are shared by consecutive value heads; arithmetic runs in float32.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Reference implementations of the ``sgl_kernel`` CPU ops that SGLang's CPU path calls.
 
-Loaded as the module ``sgl_kernel`` (and ``sgl_kernel.mamba``) by ``finder.py`` (``plugin.turn_on``).
-Each op mirrors the meaning of SGLang's Triton kernel of the same role; the Gated DeltaNet ops of
-Qwen3.5's linear-attention layers live in ``gdn.py``, its fused elementwise ops in ``fused.py``.
-Any other name imported from here is a stub that raises ``NotImplementedError`` naming the op
-when it is called, never a silent no-op.
-
-Some SGLang modules look ops up as torch ops at import time (``torch.ops.sgl_kernel.<name>``):
-the Qwen-VL processors import ``models/qwen3_5.py``, which does, and the GDN backend does when
-Qwen3.5 loads. ``TORCH_OPS`` registers those as real torch ops, with the schemas of their call
-sites (and of SGLang's own fakes for them in ``model_executor/cpu_graph_runner.py``). One of
-them, ``fused_input_proj_cpu``, is only reached with AMX and bfloat16 weights (its weights
-prepacked for AMX): it stays a stub that raises naming itself. The finder imports this module
-before those modules.
+``finder.py`` loads this module as ``sgl_kernel`` (and ``sgl_kernel.mamba``); the Gated DeltaNet
+ops live in ``gdn.py``, the fused elementwise ones in ``fused.py``. ``TORCH_OPS`` registers the
+ops SGLang looks up as torch ops at import, with their call sites' schemas. Any other name, and
+``fused_input_proj_cpu`` (reached only with AMX), is a stub that raises ``NotImplementedError``
+naming the op, never a silent no-op (docs/engine.md, "The CPU kernels: an opt-in plugin").
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The opt-in switch of the CPU kernels, loaded by SGLang through two entry points.
 
-* ``activate`` (group ``sglang.srt.platforms``): SGLang calls it when it resolves its platform,
-  on the first import of ``sglang.srt.utils.common`` in each of its processes, before any module
-  imports ``sgl_kernel``. With ``SGL_EMBEDS_CPU_KERNELS=1`` it installs the finders that make
-  ``kernels.py`` importable as ``sgl_kernel``. It returns None: it claims no platform, SGLang
-  picks its own as without it.
-* ``register`` (group ``sglang.srt.plugins``, beside ``sgl_embeds_srt.plugin``): with the same
-  opt-in, the CPU-only engine hooks (``hook_table``). Their guards are the server's, checked at
-  launch by ``sgl_embeds_srt.plugin.register``.
-
-Without the opt-in this module is all a process loads of the package.
+With ``SGL_EMBEDS_CPU_KERNELS=1``: ``activate`` (group ``sglang.srt.platforms``, called as each
+SGLang process resolves its platform, before anything imports ``sgl_kernel``) installs the
+finders that make ``kernels.py`` importable as ``sgl_kernel`` and claims no platform; ``register``
+(group ``sglang.srt.plugins``) registers the CPU-only hooks (``hook_table``). ``turn_on`` opts a
+process in itself. Without the opt-in this module is all a process loads of the package
+(docs/engine.md, "The CPU kernels: an opt-in plugin").
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The binary request body: a request's spans as raw bytes after a small JSON head.
 
-Content type ``application/x-sgl-embeds`` (``CONTENT_TYPE``), laid out as a safetensors file is::
-
-    N: u64 little-endian | head: N bytes, a JSON object (UTF-8) | buffer: the rest of the body
-
-The head is the request as its JSON form has it, except that each span's tensor object is a
-range of the buffer (offsets from the buffer's start, the rows row-major and little-endian)::
-
-    {"dtype": "bfloat16", "shape": [n, hidden], "data_offsets": [begin, end]}
-
-So no base64 and no multi-megabyte JSON string is ever built or parsed, and a decoded span is a
-view of the received body (a copy only where its range is not aligned to its dtype;
-``encode_parts`` aligns every range). A range stands only where a span goes (``RANGE_FIELDS``: a
-body's top-level ``input_embeds``, or an item of its list, and ``embeds`` (an upload); and the
-span of a segment ``{"type": "embeds", "embeds": ...}`` or of a chat part ``{"type":
-"input_embeds", "input_embeds": ...}``): the decoded request is the JSON form's with tensors at
-those places, and every route reads it as it reads a JSON body.
-
-``decode_body`` checks the frame before anything is allocated: the head's length against the
-body, each range's dtype, shape and size limit (``wire.declared_size``, as for base64) against
-its length and the buffer, no two ranges overlapping; each error a ``wire.WireError`` naming the
-field. Values (NaN, Inf) are checked where every span's are, once, when the request is parsed
-(``wire.decode_tensor``). Bytes that no range covers (``encode_parts``' alignment padding) are
-ignored.
+``CONTENT_TYPE`` (``application/x-sgl-embeds``), laid out as a safetensors file: a u64 length,
+the head (the request's JSON form, each span a ``data_offsets`` range of the buffer, only where a
+span goes: ``RANGE_FIELDS``, span segments and parts), the buffer. ``encode_parts`` /
+``encode_body`` write one; ``decode_body`` gives the JSON form's request with each span a tensor
+viewing the body, its frame checked before anything is allocated (docs/concepts.md, "The binary
+body").
 """
 
 from __future__ import annotations
@@ -109,7 +92,10 @@ def json_form(request: dict) -> dict:
 def decode_body(body: bytes | bytearray | memoryview,
                 max_bytes: int = wire.MAX_SPAN_BYTES) -> dict:
     """The request of a binary body, each range replaced by a tensor viewing ``body``;
-    ``max_bytes``: a span's limit, counted as float32 (as ``wire.decode_tensor``'s)."""
+    ``max_bytes``: a span's limit, counted as float32 (as ``wire.decode_tensor``'s). The frame is
+    checked first (the head's length, each range's dtype, shape, size and end, no overlap), each
+    error a ``wire.WireError`` naming the field; bytes no range covers (``encode_parts``'
+    alignment padding) are ignored. Values (NaN, Inf) are checked later, where every span's are."""
     data = memoryview(body).cast("B")
     if len(data) < 8:
         raise wire.WireError(f"a binary body starts with the 8-byte length of its JSON head; "

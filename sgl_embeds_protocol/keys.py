@@ -1,26 +1,10 @@
-"""Content keys of a span, computed alike on both sides of the wire.
+"""Content keys of a span, computed alike on both sides of the wire (``KEY_SCHEME``).
 
-* ``row_digests``: a 32-byte keyed BLAKE3 digest of each row's bytes, all rows in one native call
-  (``csrc/row_digests.c``: the rows are the SIMD lanes, ~4-5 GB/s a core whatever the row width;
-  a Python loop of one call per row where it was not compiled, the same digests). The key names
-  the rows' dtype, so the same bytes read as another dtype (bfloat16 and float16 rows of one
-  width) are other rows. The server's placeholder ids are their first 62 bits
-  (``placeholders.py``).
-* ``content_key``: the name a server keeps a span under (``srt/handles.py``): a keyed BLAKE3 of
-  its dtype, shape and row digests (a two-level hash tree, so a server keeping a span gets its
-  handle and its rows' keys from the same pass). Equal rows get equal handles, a handle cannot be
-  guessed without the rows, and a collision is as hard as one of BLAKE3 (128-bit security, as
-  the SHA-256 of the bytes it replaced). The client computes it too, to refer by handle to a span
-  it has sent before. ``KEY_SCHEME`` names the scheme (``/sgl_embeds/info`` advertises it): a
-  client and a server of different schemes never agree on a handle.
-* ``routing_text``: what a gateway in front of several servers sees of a span prompt. SGLang's
-  gateway (smg) routes cache-aware by a prefix tree of a request's ``text``; a span prompt sends
-  its text segments as they are and a short content hash per span row, then ``ROUTE_TAG``, so a
-  repeated span goes to the worker whose radix cache holds it. (The tag ends the hint: as a
-  prefix shared by every span request it would pull short prompts onto one worker.) It is only
-  a hint: the server drops it (``is_routing_text``) and keys its cache on hashes it computes
-  itself. A row's part is the start of its row digest, so a client that names the span by
-  handle gets its hint from the same native pass.
+``row_digests``: a keyed BLAKE3 per row (a key per dtype), all rows in one native call
+(``csrc/row_digests.c``; a Python loop where it was not compiled); placeholder ids are 62 bits of
+each. ``content_key``: a span's handle, a keyed BLAKE3 of its dtype, shape and row digests.
+``routing_text``: the hint a gateway routes on, each row's part the start of its digest, ending in
+``ROUTE_TAG`` (``is_routing_text``). docs/concepts.md, "Placeholder ids"; docs/scaling.md.
 """
 
 from __future__ import annotations

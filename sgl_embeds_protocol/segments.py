@@ -1,13 +1,9 @@
 """The prompt model, shared by both sides of the wire: segments and span markers.
 
-A prompt is a list of segments: ``Text`` (tokenized by the server like a plain prompt), ``Ids``
-(token ids, used as they are) and ``Span`` (an ``[n, hidden]`` span of embedding rows). On the
-wire each is a JSON object (``{"type": "text" | "input_ids" | "embeds", ...}``; tensors as in
-``wire.py``): the client writes them (``backend.py``), the server reads them (``srt/parse.py``).
-
-Where a span stands inside text (program text on the client, a rendered chat on the server) it is
-a *marker*: Unicode private-use characters around an index into a table of spans;
-``split_at_markers`` turns such text back into segments.
+A ``Prompt`` is a list of ``Text``, ``Ids`` and ``Span`` (frozen ``[n, hidden]`` rows, with a
+``Grid`` on M-RoPE VLMs, checked when made); on the wire each is a JSON object (docs/concepts.md,
+"Segments"). In text a span is a ``marker`` (private-use characters around an index into a table
+of spans); ``split_at_markers`` turns such text back into segments.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Every SGLang internal that sgl_embeds patches or relies on, in one place, with its guard.
 
-A target is a dotted path. Its ``Guard`` says which side checks it (``"server"``: the plugin in
-every SGLang process and ``sglang.Engine``; ``"client"``: ``import sgl_embeds``), the names its
-source must still mention (why we depend on it, in its own words), and a *fingerprint* of its
-source: a hash of its syntax tree without docstrings, comments or positions, so any change of
-behaviour-relevant code changes it while a moved line or a reworded comment does not.
-
-``check(side)`` runs every guard of a side and raises ``ChangedSGLang`` naming each target that
-is missing or changed and what differed; the plugin's ``register()`` turns that into a refused
-launch (``plugin.py``), the client's ``install()`` into a failed ``import sgl_embeds``. After an
-SGLang upgrade, ``python -m sgl_embeds_protocol.targets`` lists what changed and the new fingerprints
-to record once each change is reviewed.
-
-``PATCHED``: targets our hook tables wrap (``plugin.hook_table`` on the server, with the CPU
-plugin's ``sgl_embeds_cpu.plugin.hook_table``; ``sgl_embeds.hooks.hook_table`` on the client; a
-test keeps them equal to this table).
-``RELIED_ON``: internals we call, read, subclass or patch by other means (said on each line).
+``PATCHED`` (what the hook tables wrap: ``sgl_embeds_srt.plugin``'s, ``sgl_embeds_cpu.plugin``'s,
+``sgl_embeds.hooks``'s; a test keeps them equal) and ``RELIED_ON`` (what we call, read or
+subclass) give each dotted path a ``Guard``: its side, the words its source must mention, a
+fingerprint of its source. ``check(side)`` raises ``ChangedSGLang`` naming each change; ``python
+-m sgl_embeds_protocol.targets`` lists each target's state (docs/engine.md, "Every patched target").
 """
 
 from __future__ import annotations

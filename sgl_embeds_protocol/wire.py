@@ -1,19 +1,10 @@
 """Tensor <-> JSON wire format, shared by the client and the server.
 
-Two encodings of an ``[n, hidden]`` tensor are accepted:
-
-* nested JSON float lists (``[[0.1, ...], ...]``; a flat list is one row);
-* a binary object ``{"data": <base64 of raw little-endian bytes>, "dtype": "float32" |
-  "float16" | "bfloat16", "shape": [n, hidden]}``.
-
-A third, the binary request body (``binary_body.py``), carries the raw bytes beside the JSON;
-its spans reach ``decode_tensor`` as tensors viewing the body and are checked as these are.
-The server checks a span's values in the same read of its bytes as its row digests
-(``keys.finite_row_digests``); ``check_tensor`` is the client's check.
-
-Decoding never unpickles and never calls ``torch.load``: bytes become a tensor only through
-``torch.frombuffer`` with a dtype from a fixed table. Every size is checked against a byte budget
-*before* anything is allocated, so a tiny payload that declares a huge shape costs nothing.
+A span is nested JSON float lists (a flat list is one row) or ``{"data": base64 of raw
+little-endian bytes, "dtype", "shape"}``: ``encode_tensor`` / ``as_wire_tensor`` write it,
+``decode_tensor`` reads it (a binary body's spans arrive as tensors and are checked alike).
+Bytes become a tensor only through ``torch.frombuffer`` with a dtype of ``DTYPES``, never by
+unpickling, and every size is checked against the budget before anything is allocated.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Upload a span once, refer to it by handle: ``POST /sgl_embeds/spans``.
+"""Upload a span once, refer to it by handle: ``POST /sgl_embeds/spans`` and the ``SpanStore``.
 
-``{"embeds": <tensor>}`` is validated (as a span of the served model) and kept in a store bounded
-in bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU eviction); the answer is ``{"handle": "span-<hash>",
-...}``. Any place that takes a tensor then also takes ``{"handle": "span-..."}``. Handles are
-content hashes (``keys.content_key``: BLAKE3 of dtype, shape and the rows' digests): uploading the
-same rows twice gives the same handle, and a handle cannot be guessed without the rows. The store
-keeps each span's row digests beside its rows: sent in the model's dtype, its rows are hashed once,
-for its handle and its placeholder ids together. ``DELETE /sgl_embeds/spans/<handle>`` drops one. A
-request may also keep the spans it sends inline (``"keep_spans": true``, see ``parse.py``): behind
-a gateway, which has no upload route, that is how a worker learns a span. A request that names a
-handle this server does not hold gets ``UnknownSpanHandle`` (HTTP 400, ``"type":
-keys.UNKNOWN_HANDLE_TYPE``, the handle in ``"param"``): a client resends the span inline. The store
-lives in the HTTP process, shared by every client of the server (see docs/reliability.md for the
-tenancy model); the ``Engine`` API takes tensors directly instead.
+``SpanStore`` keeps spans by content key (``keys.content_key``) with their row digests, bounded in
+bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU); ``upload`` validates and stores one. A request naming a
+handle the store does not hold gets ``UnknownSpanHandle`` (HTTP 400, the handle in ``"param"``),
+and a client resends the span inline. Tenancy: docs/reliability.md, "Access".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """OpenAI-compatible routes with embeddings: ``/v1/completions`` and ``/v1/chat/completions``.
 
-Extension fields (send them with the official client through ``extra_body``):
-
-* ``/v1/completions``: ``input_embeds`` (the whole prompt) or ``input_segments`` (interleaved),
-  with ``prompt`` left empty (``""``) or holding a gateway routing hint (``keys.routing_text``);
-* ``/v1/chat/completions``: a content part ``{"type": "input_embeds", "input_embeds": <tensor>}``
-  in any message, mixed with text parts; or a top-level ``input_embeds`` (the whole prompt, no
-  template). A text part holding a routing hint is dropped. On an M-RoPE VLM (Qwen2.5-VL) a part
-  with ``"image_grid_thw"`` is an image, one with ``"video_grid_thw"`` a clip: the chat template
-  renders it as it renders an image or video content part
-  (``<|vision_start|><|image_pad|><|vision_end|>``) and the span takes the pad's place, so the
-  prompt is the one HF's processor builds for the same images and clips.
-* ``keep_spans`` (both routes): keep the inline spans by handle (``handles.py``).
-
-The middleware turns such a body into a stock one whose prompt is token ids (placeholders at span
-rows): chat messages are rendered with the tokenizer's chat template, with a marker standing in
-for each span, and split at the markers. ``completions_body`` / ``chat_body`` give the rewritten
-body and the prompt's rows (``prompt_rows.PromptRows``); the middleware hands both to SGLang's
-own route as the ``stock_request.StockRequest`` being served, and when that route calls
-``TokenizerManager.generate_request``, ``generate_request`` below attaches the rows. Everything
-else (sampling, streaming, n, stop, logprobs, usage) is SGLang's own code.
+``completions_body`` / ``chat_body`` turn a body with span fields (``input_embeds``,
+``input_segments``, chat parts of type ``input_embeds``: with a grid, an image or a clip) into a
+stock body of token ids, chats rendered with the tokenizer's template, and its
+``prompt_rows.PromptRows``; SGLang's own route serves it, and ``generate_request`` attaches the
+rows (docs/openai.md; docs/architecture.md, step 8).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Request JSON -> segments, on the server: span decoding, handle lookup, segment lists.
 
-The span fields of a request body are ``input_segments`` (a list of wire segments, or a list of
-such lists for a batch) and ``input_embeds`` (one wire tensor for the whole prompt, or a list of
-them). Each tensor is decoded and checked here, once (``wire.decode_tensor``, then its values in
-the same read as its row digests, ``keys.finite_row_digests``); a
-``{"handle": ...}`` in its place is looked up in the server's span store, and with
-``"keep_spans": true`` every span sent inline is held there under its content key. ``SpanReader``
-is the one span decoder: the segment lists here and the chat route's content parts use it. A
-``text`` (or, on ``/v1/completions``, a ``prompt``) that is a gateway routing hint
-(``keys.routing_text``) is dropped. Shapes are checked against the model later, in ``prompts.build_ids``. Every error is a
-``ValueError`` (HTTP 400).
+``SpanReader`` is the one span decoder (these segment lists and the chat route's parts): each
+tensor of ``input_segments`` / ``input_embeds`` is decoded and checked once (``decode_span``:
+``wire.decode_tensor``, then its values with its row digests), a ``{"handle": ...}`` looked up, a
+span held with ``keep_spans``, a routing hint dropped. Shapes against the model come later
+(``prompts.build_ids``); every error is a ``ValueError`` (HTTP 400). docs/architecture.md, step 6.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Placeholder ids: how a span row stands in the engine's token-id sequence.
 
-Every span row gets a 62-bit content key: the first 8 bytes (little-endian) of its row digest
-(``keys.row_digests``, keyed BLAKE3 with a key per dtype), low 62 bits, offset to lie in
-``[2**62, 2**63)``. The digest is of the row's bytes as sent when their cast to the model's dtype
-is exact (``prompts.EXACT_CASTS``: those bytes then name the model's row), else of the row as cast
-to the model's dtype. So equal ids mean the model sees equal rows (the same bytes of one dtype);
-the same values sent in another dtype get other ids, which costs a cache miss and never a wrong
-hit. Real token ids are far below ``2**62``, so the radix cache tells rows apart, matches
-identical rows, and never confuses a row with a token. The ids of a span are remembered under its
-content key (its handle, or the same hash of its rows as sent); a kept span brings its row
-digests (``handles.SpanStore``), so its rows are hashed once, for its handle and its ids together.
+``placeholder_ids`` gives each row ``PLACEHOLDER_BASE`` (``2**62``) plus 62 bits of its row digest
+(``keys.row_digests``), of the row as sent where its cast to the model's dtype is exact, else as
+cast: equal ids mean the model sees equal rows, and none is a real token id (``is_placeholder``).
+A span's ids are held under its content key (``held_ids``). docs/concepts.md, "Placeholder ids".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """A span prompt's rows, in the two roles they play outside the trip to the scheduler.
 
-SGLang carries the rows of a prompt in ``GenerateReqInput.positional_embed_overrides``, a
-``PositionalEmbeds`` (rows and their positions). Each role is its own type:
-
-* ``PromptRows``, the built prompt (HTTP process): ``prompts.build_ids`` makes it, one
-  ``SpanRows`` record per span (its content key and row count) and, on an M-RoPE VLM, the image
-  items (``image_spans.py``). The OpenAI routes and the logprob fix-up read it there.
-* ``SpanPromptRows``, the scheduler's mark: a request's overrides once ``scheduler.req_init`` has
-  checked that every override position holds a placeholder id, so its prefix may be cached.
-
-The third role, the form the rows take across the process boundary (rows of spans the scheduler
-already holds left out), is ``transport.CrossingRows``: it needs the scheduler's rows to rebuild
-itself, which live with the transport.
+``PromptRows`` is the built prompt (HTTP process: ``prompts.build_ids`` makes it, one ``SpanRows``
+per span, and an M-RoPE VLM's image items); ``SpanPromptRows`` is the scheduler's mark that every
+override position holds a placeholder id, so the prefix may be cached. The third role, the rows
+as they cross, is ``transport.CrossingRows``: it needs the scheduler's rows, which live there.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Server side of a span prompt: segments -> token ids with placeholders + positional embeds.
 
-Shared by the HTTP middleware, the OpenAI routes and the ``Engine`` hooks; runs in the process
-that holds the tokenizer manager. Every error is a ``ValueError`` (HTTP 400) that names the
-problem. ``make_generate_req`` is the whole path for a ``/generate``-shaped body: parse
-(``parse.py``), ``build_ids``, then SGLang's own ``GenerateReqInput``.
-
-Tokenization rule: a text segment at the very start of a prompt is tokenized like a plain text
-prompt (with the tokenizer's special tokens, e.g. BOS); every later text segment without them,
-so ``[text A, span, text B]`` is exactly ``tok(A) + span + tok(B, no specials)``.
+``make_generate_req`` is the whole path of a ``/generate``-shaped body, shared by the middleware,
+the OpenAI routes and the ``Engine``: ``parse.py``, ``build_ids`` (the tokenization rule of
+docs/concepts.md, "Segments"), then SGLang's ``GenerateReqInput``. It runs where the tokenizer
+manager lives; every error is a ``ValueError`` (HTTP 400) naming the problem.
 """
 
 from __future__ import annotations

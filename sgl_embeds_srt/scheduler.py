@@ -1,12 +1,9 @@
-"""Scheduler-side hooks: span prompts keep the radix cache, placeholder ids never reach the vocab;
-a grid span's rows move into its image item (``handle_generate_request``).
+"""Scheduler-side hooks: span prompts keep the radix cache, placeholder ids never reach the vocab,
+and a grid span's rows move into its image item (``handle_generate_request``).
 
-Stock SGLang treats any ``positional_embed_overrides`` as uncacheable (the same ids could carry
-different vectors). Ours cannot collide: every overridden position holds a placeholder id that is
-a content hash of its row, so the ids alone determine the KV and the cache can stay on. A request
-counts as ours only when *all* its override positions hold placeholder ids: ``req_init`` checks
-that once and marks the request's overrides (``prompt_rows.SpanPromptRows``); any other
-overrides keep stock behaviour.
+A request is a span prompt only when every override position holds a placeholder id (a content
+hash of its row, so the ids alone determine the KV): ``req_init`` checks that once and marks it
+(``prompt_rows.SpanPromptRows``); any other overrides keep SGLang's behaviour (no caching).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The hand-off from the middleware to SGLang's own OpenAI routes: a ``StockRequest``.
 
-An OpenAI route with spans is served by SGLang's own handler: the middleware rewrites the body
-(prompt as token ids, placeholders at span rows) and hands it to that route. The prompt's rows
-cannot go in the JSON body; SGLang's handler builds its ``GenerateReqInput`` and calls
-``TokenizerManager.generate_request``, where ``openai.generate_request`` attaches them. The rows
-travel between the two as the ``StockRequest`` being served: a context variable the middleware
-sets for exactly the time SGLang's route runs (``serving``), which every task that route starts
-inherits (a streamed answer's generator included), and which ``being_served`` reads.
+The rewritten body goes to SGLang's route as JSON; its rows cannot, so they travel as the
+``StockRequest`` being served: a context variable the middleware sets while that route runs
+(``serving``; every task the route starts inherits it, a streamed answer's included) and that
+``openai.generate_request`` reads (``being_served``). docs/architecture.md, step 8.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Token ids from clients are checked before SGLang sees them, and once more in the scheduler.
 
-Stock SGLang 0.5.23 takes ``input_ids`` as they come: a negative id, an id past the vocabulary, or
-a placeholder id without its span's rows reaches the embedding lookup and kills the scheduler
-process (and with it the server). Here:
-
-* ``check_ids`` (HTTP routes and the ``Engine``): every id must be an int in ``[0, vocab_size)``;
-  anything else is a ``ValueError`` (HTTP 400) that names the field, the index and the value;
-* ``first_bad_position`` (the scheduler's last guard, ``scheduler.req_init``): a request that
-  still holds an id the model cannot look up (one that came in by a path we did not check)
-  is aborted with an error of its own; the process keeps serving everyone else.
+An id outside the vocabulary kills stock SGLang's scheduler (docs/reliability.md, "Requests that
+kill stock SGLang"). ``check_ids`` / ``check_id_lists`` (every route and the ``Engine``) refuse
+one with a ``ValueError`` (HTTP 400) naming the field, the index and the value;
+``first_bad_position`` is the scheduler's last guard (``scheduler.req_init`` aborts that request).
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """The rows' trip from the HTTP process to the scheduler: a span's rows cross once.
 
-SGLang pickles a request's ``PositionalEmbeds`` to the scheduler with every request: at 4096 rows
-of the demo model that is 9.4 MB, pickled, copied and unpickled each time, though a span sent
-again is the same rows and its positions are usually all in the radix cache. Here every span
-has a content key, and its rows cross once per scheduler while the scheduler holds them:
-
-* HTTP side: ``prompts.build_ids`` makes ``prompt_rows.PromptRows`` (one ``SpanRows`` per span:
-  the content key of its rows as sent, ``keys.content_key``, and its row count): a span sent
-  inline again, by any client, or by handle, has the same content key. ``RowsTransport`` wraps
-  SGLang's own dispatch transport (``TokenizerManager.positional_embeds_transport``); just before
-  a request is sent it turns its ``PromptRows`` into ``CrossingRows``, leaving out the rows of
-  every span the scheduler holds from it, and notes the spans whose rows are sent now.
-  Rows cross in the dtype they were sent in when its cast to the model's is exact
-  (``prompts.EXACT_CASTS``; bfloat16 rows to a float32 model cross as half the bytes): SGLang's
-  model runner casts the override rows it runs, and the scheduler holds them as they came.
-* Scheduler side: SGLang calls ``reconstruct`` on every request's overrides first thing when it
-  arrives (``Scheduler.process_input_requests``); ``CrossingRows.reconstruct`` holds the rows that
-  were sent and puts back the ones that were not.
-
-Both ends stay in step because requests from one HTTP process reach the scheduler in the order
-they were sent, over one socket. The HTTP side bounds what the scheduler holds from it (an LRU of
-``SGL_EMBEDS_HANDLE_BYTES``, like the store) and tells it, on its next request, which spans to
-let go (evicted there, or deleted from the store). Only with SGLang's pickle IPC (the default),
-one data-parallel rank and one pipeline stage (the scheduler that receives is then the one that
-serves); otherwise every request carries its rows. ``SGL_EMBEDS_ROWS_BY_HANDLE=0`` turns it off
-(benchmarks compare). A span the scheduler should hold but does not (a bug, never expected)
-aborts that request only: ``scheduler.abort_unlookupable``.
+``RowsTransport`` (HTTP side, around SGLang's ``positional_embeds_transport``) turns a request's
+``PromptRows`` into ``CrossingRows``, leaving out the rows of every span the scheduler holds from
+this process; ``SchedulerRows`` (scheduler side) holds rows by content key and puts them back.
+Both ends move in step over one ordered socket; a span the scheduler should hold but does not
+aborts that request alone. Why, its bound and when it is off (``enabled``): docs/architecture.md,
+step 8.
 """
 
 from __future__ import annotations

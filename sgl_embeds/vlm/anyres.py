@@ -1,21 +1,10 @@
 """The vision half of a LLaVA-NeXT or LLaVA-OneVision checkpoint: any-resolution tiling.
 
-``AnyresEncoder(DST/vision)`` (also ``load_encoder``) is a ``VisionEncoder`` that gives, for a
-``PIL.Image``, the rows the VLM puts at the image's tokens, in HF's order:
-
-* the pixels come from the checkpoint's own image processor (transformers'
-  ``LlavaNextImageProcessor`` / ``LlavaOnevisionImageProcessor``, either backend, loaded from the
-  settings ``split`` saved): best pinpoint, resize, pad, tiles, base tile, normalization;
-* every tile goes through the checkpoint's tower, built by transformers from the saved
-  ``vision_config`` (``CLIPVisionModel`` or ``SiglipVisionModel``) with the saved weights; the
-  hidden states of ``feature_layers`` are concatenated, CLIP's class token dropped;
-* the projector (``linear_1 -> act -> linear_2``) maps them to the LLM's width, and
-  ``tiling.Tiling.pack`` lays the tiles out, unpads, down-scales (OneVision) and puts the
-  ``image_newline`` row after each row.
-
-``checkpoint_settings`` reads a checkpoint's settings for ``split`` (which saves them as
-``sgl_embeds_vision.json``, an ``AnyresConfig``, and the image processor's own file) and refuses,
-by name, what the encoder could not reproduce exactly.
+``AnyresEncoder(DST/vision)`` (also ``load_encoder``) gives an image's rows in HF's order: the
+checkpoint's own image processor (transformers'), its tower built by transformers from the saved
+``vision_config``, the projector, then ``tiling.Tiling.pack``. ``checkpoint_settings`` reads what
+``split`` saves (``AnyresConfig``) and refuses, by name, what the encoder could not reproduce
+exactly (docs/vision-encoders.md, section 6).
 """
 
 from __future__ import annotations

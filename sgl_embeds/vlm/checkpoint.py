@@ -1,24 +1,10 @@
 """Split an HF LLaVA checkpoint into an LLM that SGLang serves and a vision half that we run.
 
-``split(SRC, DST)`` reads a ``LlavaForConditionalGeneration`` (LLaVA-1.5),
-``LlavaNextForConditionalGeneration`` (LLaVA-NeXT) or ``LlavaOnevisionForConditionalGeneration``
-(LLaVA-OneVision) directory as transformers writes it (safetensors, one file or an index of
-shards; both key layouts: ``language_model.model.*`` as ``save_pretrained`` writes it, and
-``model.language_model.*`` as the modules name it) and writes:
-
-* ``DST/llm/``: an ordinary causal-LM directory (config, weights, tokenizer, generation config,
-  chat template) for ``python -m sglang.launch_server --model-path DST/llm``, and the family file
-  (``sgl_embeds_protocol.family``) that tells the plugin which family it serves and where the vision
-  half lies;
-* ``DST/vision/``: the tower, the projector (and ``image_newline``) in ``model.safetensors``,
-  the settings in ``sgl_embeds_vision.json`` and the checkpoint's prompt template as
-  ``chat_template.jinja``. LLaVA-1.5: the CLIP tower under open_clip's names, settings
-  ``tower.VisionConfig`` (the image processing among them). LLaVA-NeXT / OneVision: the tower under
-  transformers' names, settings ``anyres.AnyresConfig``, and the image processor's own
-  ``preprocessor_config.json``.
-
-Anything it cannot carry over exactly is a ``ValueError`` naming the key or the config field.
-Weights are read with safetensors only: a ``.bin`` checkpoint is refused, never unpickled.
+``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision directory as transformers
+writes it (safetensors, both key layouts) and writes ``DST/llm/`` (an ordinary causal LM and the
+family file) and ``DST/vision/`` (tower and projector weights, settings, chat template). Anything
+it cannot carry over exactly is a ``ValueError`` naming the key or field; a ``.bin`` checkpoint is
+refused, never unpickled (docs/vision-encoders.md, sections 1 and 6).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Put images where the checkpoint's prompt format puts its image token.
 
-HF's LLaVA processor expands each image token of the prompt text into ``rows_per_image`` copies
-and tokenizes the whole text; the image token is a special token, so the text on each side of it
-is tokenized on its own. sgl_embeds sends text / span / text segments and tokenizes the first
-with the tokenizer's special tokens (BOS) and the rest without: the same ids, with each image's
-rows where HF puts its expanded image tokens (``tests/vlm/test_llava15_parity.py`` checks the ids).
-
-``render_chat`` renders messages with the checkpoint's own chat template (saved by ``split`` as
-``DST/vision/chat_template.jinja``); ``image_prompt`` turns such a text into a program expression
-with ``sgl.image`` (or any given expression, e.g. ``sgl.region(box)``) at each image token.
-
-``model_chat_template`` reads the same template as SGLang's ``ChatTemplate`` (a fixed prefix and
-suffix per role, what an image part writes around the image token), so that ``sgl.user`` /
-``sgl.assistant`` and ``sgl_embeds.image_part`` write the model's own chat in a program
-(``sgl_embeds.connect`` gives its endpoint this template).
+``render_chat`` renders messages with the checkpoint's own chat template (``split`` saves it);
+``image_prompt`` puts ``sgl.image`` (or a given expression) at each image token, so the ids sent
+are HF's processor's; ``model_chat_template`` reads the template as SGLang's ``ChatTemplate`` for
+``sgl.user`` / ``sgl.assistant`` and ``image_part`` (docs/vision-encoders.md, section 3).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""The vision half of a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on the client: an
-image's rows and its grid, as HF's own model computes them.
+"""The vision half of a Qwen-VL checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) on the client.
 
-``QwenVLEncoder(DIR)`` (also ``load_encoder(DIR)``) reads a ``Qwen2VLForConditionalGeneration``,
-``Qwen2_5_VLForConditionalGeneration`` or ``Qwen3VLForConditionalGeneration`` directory as
-transformers saves it and is a ``VisionEncoder`` that gives, for a ``PIL.Image``, ``VisionRows``:
-the rows HF's ``get_image_features`` puts at the image's pad tokens (``[t*h*w / merge**2,
-width]``, float32 on the CPU, in HF's order) and the grid ``(t, h, w)`` the server places them by
-(M-RoPE). On Qwen3-VL the width holds, after the image's rows, the rows of each deepstack layer
-(``pooler_output``, then ``deepstack_features``: ``[n, hidden x (1 + deepstack layers)]``, the
-layout SGLang splits). The rows are HF's by construction, not by reimplementation: the pixels come
-from the checkpoint's own image processor (transformers' ``Qwen2VLImageProcessor`` in either
-backend: resize to multiples of ``patch * merge`` within the checkpoint's min and max pixels,
-normalize, patchify), and the rows from transformers' own vision module of the family
-(``TOWERS``) built from the checkpoint's ``vision_config``. Only the ``visual.*`` weights are read,
-with safetensors (a ``.bin`` checkpoint is refused, never unpickled); the language model's never
-are.
+``QwenVLEncoder(DIR)`` (also ``load_encoder``) gives an image's ``VisionRows``: the rows HF's
+``get_image_features`` puts at its pad tokens (Qwen3-VL: its deepstack rows after them along the
+width) and the grid the server places them by. They are HF's by construction: the checkpoint's
+own image processor and transformers' vision module of the family (``TOWERS``), loaded with only
+the ``visual.*`` weights (docs/vision-encoders.md, "The vision half on the client").
 """
 
 from __future__ import annotations

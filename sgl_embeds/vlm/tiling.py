@@ -1,17 +1,10 @@
-"""Any-resolution tiling (LLaVA-NeXT, LLaVA-OneVision): the rows an image becomes, laid out as
-transformers' ``LlavaNextModel.pack_image_features`` / ``LlavaOnevisionModel.pack_image_features``
-lay them out, and how many there are before anything is encoded.
+"""Any-resolution tiling (LLaVA-NeXT, LLaVA-OneVision): the rows an image becomes, and how many.
 
-The image processor resizes an image into the best of the checkpoint's pinpoints (a resolution
-``(height, width)`` in whole tiles, chosen by transformers' ``select_best_resolution``), pads it
-to the pinpoint and cuts it into tiles of the tower's input size, after a *base* tile that is the
-whole image squeezed to one tile. Each tile becomes ``grid x grid`` feature rows. The rows of an
-image are the base tile's, then the tiles' features as one feature map of ``(tiles high * grid)
-x (tiles wide * grid)``, with the padding's rows or columns cut off again (unpadding, to the
-image's aspect ratio), on OneVision bilinearly down-scaled when it holds more than about
-``max_tiles`` tiles' features (``anyres_max_N``), and an ``image_newline`` row after each of its
-rows. ``Tiling.pack`` does exactly these tensor operations in HF's order (so the rows are equal,
-not close) and ``Tiling.rows_for`` counts them with the processor's arithmetic.
+``Tiling.pack`` lays the tiles' features out as transformers' ``pack_image_features`` does (the
+base tile, the tiles as one feature map unpadded to the image's aspect ratio, OneVision's
+down-scaling, an ``image_newline`` row after each row) with the same tensor operations in HF's
+order, so the rows are equal, not close; ``Tiling.rows_for`` counts them with the processor's
+arithmetic before anything is encoded (docs/vision-encoders.md, section 6).
 """
 
 from __future__ import annotations

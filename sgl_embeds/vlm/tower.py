@@ -1,12 +1,9 @@
 """A LLaVA vision half in open_clip: CLIP tower + feature-layer selection + MLP projector.
 
-``LlavaEncoder`` is a ``VisionEncoder`` (``PIL.Image -> [rows, llm_hidden]``) that gives the rows a
-LLaVA checkpoint feeds its language model for one image: the checkpoint's image processing
-(``pixels.py``), an open_clip ``VisionTransformer`` of the tower's geometry carrying the
-checkpoint's CLIP weights (``clip_to_open_clip`` maps the names), the hidden states of
-``feature_layers`` (HF's ``vision_feature_layer``: index 0 is the embeddings after the pre-norm,
-``-2`` the second to last block), the class token dropped (``"default"``) or kept (``"full"``),
-and the projector ``linear_1 -> act -> linear_2``.
+``LlavaEncoder`` (``PIL.Image -> [rows, llm_hidden]``) gives the rows a LLaVA checkpoint feeds its
+language model for one image: the checkpoint's image processing (``pixels.py``), an open_clip
+tower carrying its CLIP weights (``clip_to_open_clip`` maps the names), the hidden states of
+``VisionConfig.feature_layers`` and the projector ``linear_1 -> act -> linear_2``.
 """
 
 from __future__ import annotations
@@ -97,7 +94,10 @@ class VisionConfig:
 
     @property
     def blocks(self) -> list[int]:
-        """open_clip block index of each feature layer (HF hidden state k is the output of block k-1)."""
+        """open_clip block index of each feature layer (HF hidden state k is the output of block k-1).
+
+        ``feature_layers`` are HF's ``vision_feature_layer`` indices: 0 is the embeddings after
+        the pre-norm, ``-2`` the output of the second to last block."""
         n = self.tower.layers
         return [(layer % (n + 1)) - 1 for layer in self.feature_layers]
 

@@ -1,15 +1,9 @@
 """The HTTP side of the plugin, and its launch wiring: ``before_launch_server`` and ``install``.
 
-By job: ``middleware.py`` (the ASGI middleware and its route table: span prompts on
-``/generate`` and the OpenAI routes), ``own_routes.py`` (``/sgl_embeds/info``,
-``/sgl_embeds/spans``, the addition to ``/get_model_info``), ``asgi.py`` (what both share),
-``worker_app.py`` (the app of a multi-tokenizer HTTP worker). This file installs the middleware
-on SGLang's app when the server launches.
-
-Multi-tokenizer mode (``--tokenizer-worker-num N > 1``): SGLang serves HTTP from N worker
-processes that import the app by its path (``SGLANG_HTTP_SERVER_APP_PATH``), not the object the
-main process holds. Pointing that path at ``worker_app`` makes each worker load the plugin and
-install the middleware on its own copy of the app.
+``install`` puts the span middleware (``middleware.py``) innermost on SGLang's app at launch; with
+``--tokenizer-worker-num > 1`` ``before_launch_server`` also points
+``SGLANG_HTTP_SERVER_APP_PATH`` at ``worker_app.py``, so each HTTP worker process loads the plugin
+on its own copy of the app. The routes: ``middleware.py``, ``own_routes.py``, ``asgi.py``.
 """
 
 from __future__ import annotations

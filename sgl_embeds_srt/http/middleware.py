@@ -1,18 +1,10 @@
 """The ASGI middleware and its route table: span prompts on ``/generate`` and the OpenAI routes.
 
-An innermost ASGI middleware (so SGLang's API-key middleware still runs first) looks at the
-bodies of the routes in ``ROUTES``, JSON or binary (``binary_body.py``: decoded here into the
-request a JSON body holds, its spans as tensors, so every handler serves both alike; a malformed
-one is a 400). A body without span fields goes on to the stock route untouched (a binary one as
-JSON) once its token ids, if any, are checked (``token_ids.py``: an id outside the vocabulary
-would kill stock SGLang's scheduler). A body with spans is decoded and validated here (HTTP 400
-with the reason on any problem): ``/generate`` becomes ``input_ids`` +
-``positional_embed_overrides`` served by SGLang's own ``serve_generate_request``; the OpenAI
-routes are rewritten to token ids (``openai.py``) and handed on to SGLang's own route as a
-``StockRequest``. Decoding and hashing run in a worker thread so a large payload does not stall
-the event loop for other clients.
-Paths under ``/sgl_embeds/`` and ``/get_model_info`` go to the plugin's own routes
-(``own_routes.py``).
+``SpanMiddleware`` (innermost: SGLang's API-key check runs first) reads the bodies of the routes
+in ``ROUTES``, JSON or binary. One without span fields goes on to the stock route once its ids
+pass ``token_ids``; one with spans goes to its handler (``generate_route``, ``completions_route``,
+``chat_route``), which decodes it in a worker thread, off the event loop. ``/sgl_embeds/*`` and
+``/get_model_info`` go to ``own_routes.py``. docs/architecture.md, step 5.
 """
 
 from __future__ import annotations

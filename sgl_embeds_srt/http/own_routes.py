@@ -1,12 +1,9 @@
 """The plugin's own REST routes, served by the middleware before SGLang's app sees them.
 
-* ``GET /sgl_embeds/info``: what a client needs to check spans before sending them (``info``);
-  SGLang's ``GET /get_model_info``, which a gateway forwards, carries the same under
-  ``"sgl_embeds"``, so a client finds the plugin (and the hidden size) through a gateway too, in
-  the call ``RuntimeEndpoint`` makes anyway.
-* ``POST /sgl_embeds/spans``: upload a span (a JSON or binary body), get its handle
-  (``handles.upload``).
-* ``DELETE /sgl_embeds/spans/<handle>``: drop it, here and in the scheduler (``transport.release``).
+``GET /sgl_embeds/info`` (``info``; also inside ``GET /get_model_info``, which a gateway
+forwards), ``POST /sgl_embeds/spans`` (``handles.upload``) and ``DELETE
+/sgl_embeds/spans/<handle>`` (here and in the scheduler: ``transport.release``).
+docs/reference.md, "Span handles".
 """
 
 from __future__ import annotations

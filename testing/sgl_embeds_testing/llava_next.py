@@ -1,15 +1,11 @@
-"""Random-weight LLaVA-NeXT and LLaVA-OneVision checkpoints, as transformers saves them: tiny ones
-for the tests and ones of the real vision geometry for the benchmarks.
+"""Random-weight LLaVA-NeXT and LLaVA-OneVision checkpoints as transformers saves them: tiny ones
+for the tests, ``bench_*`` ones of the real vision geometry for the benchmarks.
 
-Each is an ordinary HF directory (config, float32 safetensors, our tokenizer with the image
-token, the processor with its image processor, the chat template), built once into the cache of
-``models.py`` with fixed seeds. The tiny towers take 32x32 px tiles of 4x4 patches (16 rows per
-tile) and the pinpoints are a few tiles wide, so an image costs 36 to about 170 rows; the language
-models are the tiny ones SGLang serves on a CPU (hidden 64, 2 layers). The language model and the
-projector are scaled up from the default init (as ``tiny_llava_dir``'s) so that the image changes
-HF's greedy answer and answers are varied. The ``bench_*`` checkpoints have the real towers, tiles
-and pinpoints (LLaVA-1.6's, OneVision's) at the default init, in front of the tiny language model
-made as wide as the LLM the benchmark serves, so that their rows can be sent to it.
+Each is an ordinary HF directory built once into ``models.py``'s cache with fixed seeds. The tiny
+towers take 32 px tiles of 4x4 patches (16 rows a tile; an image costs 36 to about 170 rows) in
+front of the tiny language models (hidden 64, 2 layers), scaled up from the default init so that
+the image changes HF's greedy answer; the ``bench_*`` ones keep the default init, their language
+model as wide as the LLM the benchmark serves.
 """
 
 from __future__ import annotations

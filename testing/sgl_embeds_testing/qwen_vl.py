@@ -1,12 +1,10 @@
 """Tiny random-weight Qwen-VL checkpoints (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3.5) that SGLang
-serves natively and HF loads as they are, and HF's own class on each as the reference for
-generated tokens.
+serves natively and HF loads as they are, and HF's own class on each as the token reference.
 
-An ordinary HF directory (config, float32 safetensors, tokenizer with the Qwen vision specials,
-chat template, ``Qwen2_5_VLProcessor`` with its image and video processors), built once into the
-same cache as ``models.py``'s models with fixed seeds. The invariant the tests rely on: the
-config's vision token ids are the tokenizer's ids of the same tokens, and the image processor
-turns a small image into few patches (at most ``MAX_IMAGE_TOKENS`` rows in the prompt).
+Each is an ordinary HF directory built once into ``models.py``'s cache with fixed seeds. The
+invariant the tests rely on: the config's vision token ids are the tokenizer's ids of the same
+tokens, and the image processor turns a small image into few patches (at most
+``MAX_IMAGE_TOKENS`` rows in the prompt).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """HF transformers as the reference for generated tokens (float32, greedy), and the one rule for
-how exactly our numbers must equal HF's (docs/reliability.md, "How exact"):
+how exactly our numbers must equal HF's (docs/reliability.md, "How exact").
 
-- **bit equality** (``assert_same_rows``) only where the same operations run on the same shapes:
-  weights copied by ``split``, HF's own module run on the same batch (one image alone on both
-  sides), data that is only moved (wire, transport, handles);
-- **a stated tolerance** wherever the computation differs in batching or order (HF runs several
-  images' tiles in one tower batch, our encoder one image at a time; another attention kernel;
-  another GEMM shape): rows within ``ROW_TOL`` (``assert_rows_close``), logprobs within
-  ``LOGPROB_TOL``, tokens equal under ``check_greedy``'s counted near-tie rule. Which GEMM kernel a
-  shape takes differs between processors (AVX-512 / AVX2), so a bit-equality test across a
-  batching change holds on one machine only; CI runs the exactness-sensitive modules with AVX2
-  kernels too (``make test-portable``) to find such a test before it lands.
-
-Random-weight test models have near-ties (top-2 logit gaps under 1e-3) that float rounding may
-flip. ``check_greedy`` compares token by token and forgives a divergence only where HF's top-2
-gap is that small *and* our token is HF's runner-up, never at the first token and at most once
-per sequence; it then re-runs HF from our prefix and compares the rest. ``assert_matches_hf``
-does all of it for a prompt given as embeddings, and also checks that the reference is not
-degenerate: at least 3 distinct tokens or, given the same prompt with another span, a reference
-that changes with the span. A response's logprobs are read in full: one per token, each entry's
-token id, top-k maps of the size asked, and an input logprob at every text position compared.
+Bit equality (``assert_same_rows``) where the same operations run on the same shapes; a stated
+tolerance where batching or order differ: rows within ``ROW_TOL`` (``assert_rows_close``),
+logprobs within ``LOGPROB_TOL``, tokens under ``check_greedy``'s counted near-tie rule.
+``assert_matches_hf`` applies it to a prompt of embeddings and checks that the reference is not
+degenerate; ``assert_response_logprobs`` reads a response's logprobs in full.
 """
 
 from __future__ import annotations

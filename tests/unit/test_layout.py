@@ -362,3 +362,31 @@ def test_importing_the_client_loads_no_familys_code():
     assert out.returncode == 0, out.stderr[-2000:]
     *loaded, asked = out.stdout.strip().splitlines()
     assert loaded == [] and asked == "asked True", out.stdout
+
+
+MAX_MODULE_DOC_LINES = 8  # what the module owns and the invariant it keeps; the story is in docs/
+
+
+def _long_module_docstrings(files: dict[str, str]) -> list[str]:
+    found = []
+    for rel, source in files.items():
+        lines = len((ast.get_docstring(ast.parse(source)) or "").splitlines())
+        if lines > MAX_MODULE_DOC_LINES:
+            found.append(f"{rel}: {lines} lines")
+    return found
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module owns and the invariant it keeps, in at most
+    ``MAX_MODULE_DOC_LINES`` lines; the architecture and its reasons live in docs/."""
+    files = {str(p.relative_to(ROOT)): p.read_text() for p in _files()}
+    assert "testing/sgl_embeds_testing/reference.py" in files  # the test support counts too
+    found = _long_module_docstrings(files)
+    assert not found, f"module docstrings over {MAX_MODULE_DOC_LINES} lines (move the story to docs/):\n" + \
+        "\n".join(found)
+
+
+def test_a_long_module_docstring_would_be_found():
+    nine = '"""' + "\n".join(f"line {i}" for i in range(1, 10)) + '\n"""\nX = 1\n'
+    eight = '"""' + "\n".join(f"line {i}" for i in range(1, 9)) + '\n"""\nX = 1\n'
+    assert _long_module_docstrings({"a.py": nine, "b.py": eight, "c.py": "X = 1\n"}) == ["a.py: 9 lines"]
