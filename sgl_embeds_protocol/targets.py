@@ -157,7 +157,7 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs":
         server("replace_embeds", "replace_positions", 'replace_embeds.to(kwargs["input_embeds"].dtype)',
                fp="0c1d0eb6ece06b1b"),
-    # -- image spans on M-RoPE VLMs (image_spans.py): our items adopt a 32-byte identity (no
+    # -- grid spans on M-RoPE VLMs (image_spans, scheduler, model_runner): our items adopt a 32-byte identity (no
     #    hash of the rows), padded ids and M-RoPE positions come from SGLang's own code, the
     #    scheduler takes our processed inputs as they are and pads with them, and the model
     #    embeds precomputed items through get_embedding_and_mask, whose per-item results it accepts
