@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs tests on a deliberately broken build, to see that they catch the break:
 #   scripts/sabotage.sh NAME [pytest arguments]
-# applies tests/sabotage/NAME.patch, runs the tests (default: those its first line names, "tests:
-# <pytest arguments>"), and takes the patch out again whatever happens. Exit 0 when the tests failed (the
-# break was caught), 1 when they passed (it was not), 2 when the patch does not apply.
+# runs the tests (default: those its first line names, "tests: <pytest arguments>") without the patch
+# (the control: they must pass), applies tests/sabotage/NAME.patch, runs them again and takes the
+# patch out whatever happens; scripts/sabotage_verdict.py reads each run's JUnit report. Exit 0 when
+# a test failed on an assertion (caught), 1 when they passed (not caught), 2 when the patch does not
+# apply, 3 when the control failed or the broken run proved nothing (no test ran, errors only).
 # Patches (tests/sabotage/): rows_bf16 (span rows rounded through bfloat16 on the float32 server),
 # rows_scaled_1pct, spans_zeroed (every span all zeros: tests/examples/test_notebooks.py must fail on each
 # notebook), images_reversed (a program's images in reverse order), ids_unplaced (an id refusal
@@ -26,14 +28,22 @@ cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"
 shift
 git apply --check "$patch" || exit 2
-git apply "$patch"
-trap 'git apply -R "$patch"' EXIT
 if [ $# -eq 0 ]; then
     # the patch's first line names the tests that must catch it ("tests: <pytest arguments>")
     eval "set -- $(sed -n '1s/^tests: //p' "$patch")"
 fi
-if .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; then
-    echo "sabotage $patch: the tests PASSED: the break was not caught"
-    exit 1
+report=$(mktemp -d)
+run() { .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report/$1.xml" "${@:2}" >"$report/$1.log" 2>&1; }
+# the control: the same tests without the patch must run and pass, or a failure below means nothing
+run control "$@"
+if ! .venv/bin/python scripts/sabotage_verdict.py "$report/control.xml" control; then
+    tail -n 30 "$report/control.log"; rm -rf "$report"; exit 3
 fi
-echo "sabotage $patch: caught (the tests failed)"
+git apply "$patch"
+trap 'git apply -R "$patch"; rm -rf "$report"' EXIT
+run broken "$@"
+.venv/bin/python scripts/sabotage_verdict.py "$report/broken.xml" broken
+verdict=$?
+[ $verdict -eq 0 ] || tail -n 30 "$report/broken.log"
+echo "sabotage $patch: $([ $verdict -eq 0 ] && echo caught || echo 'not caught')"
+exit $verdict

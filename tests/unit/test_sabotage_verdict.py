@@ -1,0 +1,79 @@
+"""The sabotage rotation's verdict (scripts/sabotage_verdict.py) on real pytest JUnit reports: a
+break counts as caught only when a named test failed on an assertion, never on an exit code."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("sabotage_verdict", ROOT / "scripts" / "sabotage_verdict.py")
+sabotage_verdict = sys.modules["sabotage_verdict"] = importlib.util.module_from_spec(_spec)  # for its dataclass
+_spec.loader.exec_module(sabotage_verdict)
+
+TESTS = '''
+import pytest
+
+@pytest.fixture
+def server():
+    raise RuntimeError("the server did not start")
+
+def test_equal():
+    assert 1 + 1 == 2
+
+def test_unequal():
+    assert 1 + 1 == 3
+
+def test_raises_nothing():
+    with pytest.raises(ValueError):
+        pass
+
+def test_crashes():
+    {}["missing"]
+
+def test_needs_a_server(server):
+    pass
+
+@pytest.mark.skip(reason="not here")
+def test_skipped():
+    assert False
+'''
+
+
+def _report(tmp_path: Path, select: str) -> str:
+    (tmp_path / "test_sample.py").write_text(TESTS)
+    report = tmp_path / f"{select or 'all'}.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_sample.py"),
+                    "-k", select, f"--junitxml={report}"], capture_output=True, timeout=120, cwd=tmp_path)
+    return report.read_text()
+
+
+@pytest.mark.parametrize("select, run, code", [
+    ("unequal", "broken", sabotage_verdict.CAUGHT),
+    ("raises_nothing", "broken", sabotage_verdict.CAUGHT),  # pytest's Failed: DID NOT RAISE
+    ("unequal or crashes or server", "broken", sabotage_verdict.CAUGHT),
+    ("equal and not unequal", "broken", sabotage_verdict.NOT_CAUGHT),
+    ("crashes", "broken", sabotage_verdict.INCONCLUSIVE),  # a KeyError, not an assertion
+    ("server", "broken", sabotage_verdict.INCONCLUSIVE),  # a fixture's error: nothing was tested
+    ("skipped", "broken", sabotage_verdict.INCONCLUSIVE),  # all skipped
+    ("no_such_test", "broken", sabotage_verdict.INCONCLUSIVE),  # pytest exits 5: nothing ran
+    ("equal and not unequal", "control", 0),
+    ("equal or server", "control", 1),
+    ("no_such_test", "control", 1),
+])
+def test_a_break_is_caught_only_by_a_failed_assertion(tmp_path, select, run, code):
+    outcome = sabotage_verdict.Outcome.of_report(_report(tmp_path, select))
+    assert sabotage_verdict.verdict(outcome, run)[0] == code, outcome
+
+
+def test_the_rotation_draws_every_patch_in_a_window_of_that_many_commits():
+    """scripts/sabotage_rotation.sh: patch = first-parent commit count modulo the patch count."""
+    rotation = (ROOT / "scripts" / "sabotage_rotation.sh").read_text()
+    assert "git rev-list --count --first-parent HEAD) % ${#patches[@]}" in rotation
+    n = len(list((ROOT / "tests" / "sabotage").glob("*.patch")))
+    for start in range(240, 240 + n):
+        assert {count % n for count in range(start, start + n)} == set(range(n))
