@@ -252,9 +252,11 @@ def _repeats_hit_their_worker(gateway: Gateway, workers: list) -> None:
                 cached.append(out["meta_info"]["cached_tokens"])
     hits = sum(c >= 40 for c in cached) / len(cached)  # a miss caches only the shared text before the span
     print(f"repeat requests whose cached_tokens cover the span: {hits:.2%} ({cached})")
-    assert hits >= 0.95
+    assert hits == 1, cached  # each of the 16 repeats on the worker that holds its span
+    # every span was held by a worker; which worker smg sends a miss to is smg's choice, not ours
+    # to assert (it sent all 8 to one in a full run on another machine, issue #48)
     spread = [_store_count(w) - s for w, s in zip(workers, stored)]
-    assert sum(spread) >= 8 and min(spread) >= 1, spread  # new spans went to both workers
+    assert sum(spread) >= 8, spread
 
 
 BAD_SPANS = [
