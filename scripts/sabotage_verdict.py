@@ -39,8 +39,9 @@ class Outcome:
                 errors += 1
             elif failure is not None:
                 kind = (failure.get("message") or "").split(":", 1)[0].strip()
-                asserted += kind in ASSERTION_KINDS or kind.startswith("assert ")
-                other += not (kind in ASSERTION_KINDS or kind.startswith("assert "))
+                on_assertion = kind in ASSERTION_KINDS or kind.startswith("assert ")
+                asserted += on_assertion
+                other += not on_assertion
             else:
                 passed += 1
         return cls(ran, passed, asserted, other, errors)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from sglang.srt.managers.embed_types import PositionalEmbeds
 from sglang.srt.managers.io_struct import MMInputsProcessError
-from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
+from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST, MultimodalProcessorOutput
 
 from sgl_embeds_srt.image_spans import is_span_item
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
@@ -36,9 +36,7 @@ def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
             is_placeholder(self.origin_input_ids[p]) for p in overrides.positions):
         self.positional_embed_overrides = SpanPromptRows.of(overrides)
         # Same rule as stock minus the override clause (fake-bootstrap requests stay uncached).
-        from sglang.srt.managers import schedule_batch  # SGLang not ready at plugin load
-
-        self.skip_radix_cache_insert = self.bootstrap_host == schedule_batch.FAKE_BOOTSTRAP_HOST
+        self.skip_radix_cache_insert = self.bootstrap_host == FAKE_BOOTSTRAP_HOST
     abort_unlookupable(self)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME
+from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME, model_type
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
 
@@ -51,8 +51,7 @@ def load_encoder(path: str | Path, device: str | torch.device | None = None) -> 
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
     LLaVA-OneVision)."""
     path = Path(path)
-    config = path / "config.json"
-    found = json.loads(config.read_text()).get("model_type") if config.exists() else None
+    found = model_type(path)
     if found in NATIVE_ENCODERS:
         return NATIVE_ENCODERS[found](path, device)
     if found is not None:

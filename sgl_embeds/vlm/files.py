@@ -1,7 +1,18 @@
-"""The files ``split`` writes in ``DST/vision``, named once for the encoders that read them and
-for ``load_encoder``, which picks the encoder by the settings' ``"format"``."""
+"""The files ``load_encoder`` picks an encoder by, named once for the encoders that read them:
+a checkpoint's ``config.json`` (``model_type``) and what ``split`` writes in ``DST/vision``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 CONFIG_NAME = "sgl_embeds_vision.json"  # the vision half's settings
 WEIGHTS_NAME = "model.safetensors"  # tower, projector (and image_newline)
 LLAVA_FORMAT = "sgl_embeds.llava_vision/1"  # LLaVA-1.5: tower.VisionConfig
 ANYRES_FORMAT = "sgl_embeds.llava_anyres_vision/1"  # LLaVA-NeXT / OneVision: anyres.AnyresConfig
+
+
+def model_type(path: str | Path) -> str | None:
+    """The ``model_type`` of the HF checkpoint at ``path``; None where there is no config.json."""
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.exists() else None

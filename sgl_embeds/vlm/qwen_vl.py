@@ -32,6 +32,7 @@ from sgl_embeds.vision import VisionRows, load_state
 from sgl_embeds_protocol.family import BY_NAME
 from sgl_embeds_protocol.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
 from sgl_embeds.vlm.checkpoint import Tensors, weight_index
+from sgl_embeds.vlm.files import model_type
 from sgl_embeds.vlm.pixels import BACKENDS
 
 # The vision module of each family, as transformers builds it from the checkpoint's vision_config
@@ -44,12 +45,6 @@ MODEL_TYPES = tuple(TOWERS)
 # The vision weights: ``visual.*`` as transformers saves them, ``model.visual.*`` as the modules
 # of ``Qwen2_5_VLForConditionalGeneration`` name them.
 VISUAL_PREFIXES = ("visual.", "model.visual.")
-
-
-def model_type(path: str | Path) -> str | None:
-    """The ``model_type`` of the HF checkpoint at ``path``; None where there is no config.json."""
-    config = Path(path) / "config.json"
-    return json.loads(config.read_text()).get("model_type") if config.exists() else None
 
 
 class QwenVLEncoder:
