@@ -45,6 +45,9 @@ class Family:
     # the family whose vision half (tower, processor, M-RoPE layout) this one's is
     vision_of: str | None = None
     hybrid: bool = False  # an LLM of Gated DeltaNet and attention layers (SGLang's mamba state)
+    # its LLM attends the whole prompt both ways (a prefix LM, PaliGemma): each request's prompt is
+    # one bidirectional block; generated tokens attend causally
+    prefix_lm: bool = False
 
     def __post_init__(self) -> None:
         if self.served_as not in (SPLIT, NATIVE, REFUSED):
