@@ -29,10 +29,11 @@ from sgl_embeds_protocol import wire
 class SglSpan(SglExpr):
     """A span of precomputed embeddings, ``[n, hidden]``: what ``sgl.embeds`` puts in a program."""
 
-    def __init__(self, rows: torch.Tensor, grid: seg.Grid | None = None):
+    def __init__(self, rows: torch.Tensor, grid: seg.Grid | None = None, bidirectional: bool = False):
         super().__init__()
         self.rows = rows
         self.grid = grid  # on M-RoPE VLMs: an image's or a clip's (segments.Grid)
+        self.bidirectional = bidirectional  # its rows attend each other both ways
 
     def __repr__(self) -> str:
         return f"SglSpan(shape={list(self.rows.shape)})"
@@ -52,20 +53,24 @@ class SglRegion(SglExpr):
 
 
 def embeds(x: Any, image_grid_thw: Any = None, video_grid_thw: Any = None,
-           second_per_grid_t: float | None = None, video_timestamps: Any = None) -> SglSpan:
+           second_per_grid_t: float | None = None, video_timestamps: Any = None,
+           attention: str = seg.CAUSAL) -> SglSpan:
     """A span of embeddings: a torch tensor, numpy array or nested list, ``[n, hidden]`` or
     ``[hidden]``. On a VLM served natively with M-RoPE (Qwen-VL) a span is an image, with its
     ``image_grid_thw`` (t, h, w: the patch grid before the spatial merge), or a clip, with its
     ``video_grid_thw`` and the time its model reads (Qwen2.5-VL ``second_per_grid_t``, Qwen3-VL
     ``video_timestamps``; docs/vision-encoders.md); write it between the vision-start and
-    vision-end tokens."""
+    vision-end tokens. ``attention="bidirectional"``: the span's rows attend each other both ways,
+    as one block (text before and after it stays causal; docs/engine.md, "Bidirectional
+    blocks")."""
+    bidirectional = seg.bidirectional_of({seg.ATTENTION: attention})
     grid = seg.Grid.of_fields({seg.IMAGE_GRID: image_grid_thw, seg.VIDEO_GRID: video_grid_thw,
                                seg.SECONDS_PER_STEP: second_per_grid_t, seg.TIMESTAMPS: video_timestamps})
     if isinstance(x, SglArgument):  # run_batch traces programs with placeholder arguments
-        return SglSpan(x, grid)
+        return SglSpan(x, grid, bidirectional)
     t = wire.as_2d_tensor(x)
     wire.check_tensor(t)
-    return SglSpan(t.detach().cpu(), grid)
+    return SglSpan(t.detach().cpu(), grid, bidirectional)
 
 
 class SglClip(SglExpr):
@@ -227,7 +232,7 @@ def executor_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> N
 def execute(original: Callable, self: Any, other: Any) -> Any:
     """AROUND hook of ``StreamExecutor._execute``: our nodes, and images for encoder backends."""
     if isinstance(other, SglSpan):
-        return add_span(self, seg.Span(other.rows, grid=other.grid))
+        return add_span(self, seg.Span(other.rows, grid=other.grid, bidirectional=other.bidirectional))
     if isinstance(other, SglClip):
         return _execute_video(self, other)
     if isinstance(other, SglRegion):

@@ -86,6 +86,8 @@ class SpanWriter:
                     out.append({"type": "embeds", "embeds": span.embeds})
                     if s.grid is not None:
                         out[-1].update(s.grid.fields())
+                    if s.bidirectional:
+                        out[-1][seg.ATTENTION] = seg.BIDIRECTIONAL
                     route.append(span.route + keys.route_grid(s.grid))
                 else:
                     out.append(_plain_segment(s, j))

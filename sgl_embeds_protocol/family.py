@@ -124,6 +124,12 @@ def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> ServedM
     return ServedModel(None, TEXT, None, grid=False, merge_size=None, vision_tokens={})
 
 
+def split_family(model_path: str | None) -> Family | None:
+    """The family whose LLM half ``model_path`` is (its ``FAMILY_FILE``); None for any other model."""
+    split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
+    return family_of(split["family"]) if split is not None else None
+
+
 def _read_family_file(path: str | None) -> dict | None:
     file = os.path.join(path, FAMILY_FILE) if path else None
     if file is None or not os.path.exists(file):

@@ -103,6 +103,21 @@ class Grid:
         return math.prod(self.thw) // (merge_size * merge_size)
 
 
+# How a span's rows attend (a span segment's field beside its rows): causally, like text (the
+# default), or both ways among themselves, as one block (docs/engine.md, "Bidirectional blocks")
+ATTENTION, CAUSAL, BIDIRECTIONAL = "attention", "causal", "bidirectional"
+
+
+def bidirectional_of(fields: Mapping[str, Any]) -> bool:
+    """Whether ``fields`` (a span segment) ask for its rows to attend both ways."""
+    value = fields.get(ATTENTION)
+    if value is None:
+        return False
+    if value not in (CAUSAL, BIDIRECTIONAL):
+        raise ValueError(f"{ATTENTION} must be {CAUSAL!r} or {BIDIRECTIONAL!r}, got {value!r}")
+    return value == BIDIRECTIONAL
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -118,10 +133,13 @@ class Span:
     content_key: str | None = None
     row_digests: bytes | None = None  # keys.row_digests of the rows, set where the server decodes them
     grid: Grid | None = None  # an image's or a clip's, on M-RoPE VLMs (image_spans.py)
+    bidirectional: bool = False  # its rows attend each other both ways, as one block
 
     def __post_init__(self) -> None:
         if self.grid is not None and not isinstance(self.grid, Grid):
             raise TypeError(f"Span.grid is a segments.Grid, got {type(self.grid).__name__}")
+        if not isinstance(self.bidirectional, bool):
+            raise TypeError(f"Span.bidirectional is a bool, got {self.bidirectional!r}")
 
     def __len__(self) -> int:
         return self.rows.shape[0]

@@ -53,6 +53,14 @@ SDPA_FORWARD_EXTEND = ("sglang.srt.layers.attention.torch_native_backend.TorchNa
 HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
 GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
 QWEN2_VISION_INIT = "sglang.srt.models.qwen2_vl.Qwen2VisionTransformer.__init__"
+LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+ADD_CHUNKED_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
+FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+EAGER_LOAD_BATCH = "sglang.srt.model_executor.runner.eager_runner.EagerRunner.load_batch"
+_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+TORCH_NATIVE_EXTEND = f"{_TORCH_NATIVE}.forward_extend"
+TORCH_NATIVE_DECODE = f"{_TORCH_NATIVE}.forward_decode"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 # Tokenizer-manager (HTTP) process
@@ -92,6 +100,18 @@ PATCHED: dict[str, Guard] = {
     # Qwen2-VL checkpoints written by transformers 5 name the channels in_channels; SGLang reads
     # in_chans (model_runner.qwen2_vision_init gives it the value)
     QWEN2_VISION_INIT: server("vision_config.in_chans", fp="ab85a3c8256d1db7"),
+    # bidirectional blocks (blocks.py, block_attention.py): the rows of a Gemma's spans reach its
+    # first layer unscaled; a chunk's end moves out of a block after the adder chose it (it sets
+    # extend_end and new_chunked_req; add_chunked_req returns the request while it is chunked);
+    # a forward batch takes its requests' blocks, and the eager runner's copy of it keeps them; the torch_native extend and decode, attended
+    # again with the mask and the soft cap (they save the KV as these do)
+    LOAD_MODEL: server("self.model", fp="b001b62d7fc3a116"),
+    ADD_ONE_REQ: server("_select_prefill_admission", "add_one_req_ignore_eos", fp="ff9f32254e9b11e1"),
+    ADD_CHUNKED_REQ: server("req.extend_end = req.prefix_len + new_len", "return req if truncated else None", fp="a2ff155ff7ef375f"),
+    FORWARD_BATCH_INIT: server("batch.forward_mode", fp="d37cf9d33f2e0e1b"),
+    EAGER_LOAD_BATCH: server("forward_batch_template=forward_batch", "return replace(forward_batch)", fp="aa0893a835eb23f0"),
+    TORCH_NATIVE_EXTEND: server("KVWriteLoc(cache_loc, self.swa_out_cache_loc)", "_run_sdpa_forward_extend", fp="97118fc036df00e2"),
+    TORCH_NATIVE_DECODE: server("KVWriteLoc(cache_loc, self.swa_out_cache_loc)", "_run_sdpa_forward_decode", fp="008a3d8cfe1fa5fd"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
     # its Triton kernel, which asks CUDA for the SM count; sgl_embeds_cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",

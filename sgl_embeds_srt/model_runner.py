@@ -1,7 +1,6 @@
-"""Model-runner hooks of grid spans: our image items are embedded as they are, item by item, so
-the vision tower never runs on them and a batch that mixes them with raw images (whose pixel
-patches stock code would concatenate with our rows) is served correctly; and a config shim that
-SGLang's Qwen2-VL tower needs.
+"""Model-runner hooks: grid spans' image items are embedded as they are, item by item, so the
+vision tower never runs on them (a batch that mixes them with raw images is served correctly); a
+config shim that SGLang's Qwen2-VL tower needs; and span rows reach a Gemma's first layer as sent.
 """
 
 from __future__ import annotations
@@ -47,3 +46,26 @@ def qwen2_vision_init(original: Callable, self: Any, vision_config: Any, *args: 
     if not hasattr(vision_config, "in_chans"):
         vision_config.in_chans = vision_config.in_channels
     return original(self, vision_config, *args, **kwargs)
+
+
+# SGLang's models that multiply every input embedding by sqrt(hidden), span rows included, where
+# HF scales the looked-up text embeddings only (a span's rows are the layers' input, as HF's
+# ``inputs_embeds``): their first layer gets the span rows back as sent
+SCALED_INPUT_MODELS = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+
+
+def load_model(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``ModelRunner.load_model``: on a ``SCALED_INPUT_MODELS`` model, span rows
+    go to the first decoder layer unscaled (``_rows_as_sent``)."""
+    result = original(self, *args, **kwargs)
+    if type(self.model).__name__ in SCALED_INPUT_MODELS:
+        self.model.model.layers[0].register_forward_pre_hook(_rows_as_sent)
+    return result
+
+
+def _rows_as_sent(layer: Any, args: tuple) -> None:
+    """Forward pre-hook of a first decoder layer ``(positions, hidden_states, forward_batch,
+    residual)``: the override rows written over their scaled copies, in place."""
+    hidden_states, forward_batch = args[1], args[2]
+    if forward_batch.replace_positions is not None and forward_batch.replace_embeds is not None:
+        hidden_states[forward_batch.replace_positions] = forward_batch.replace_embeds.to(hidden_states.dtype)

@@ -15,7 +15,7 @@ from typing import Any
 
 from sgl_embeds_protocol import wire
 from sgl_embeds_protocol.keys import finite_row_digests, is_routing_text, keyed
-from sgl_embeds_protocol.segments import Grid, Ids, Segment, Span, Text
+from sgl_embeds_protocol.segments import Grid, Ids, Segment, Span, Text, bidirectional_of
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
 
 # the top-level fields of a span request, which a stock body must not carry
@@ -67,6 +67,14 @@ def grid_of(fields: Any, where: str) -> Grid | None:
         raise wire.WireError(f"{where}{e}") from None
 
 
+def _bidirectional_of(fields: Any, where: str) -> bool:
+    """Whether the span segment ``fields`` asks for its rows to attend both ways."""
+    try:
+        return bidirectional_of(fields) if isinstance(fields, dict) else False
+    except ValueError as e:
+        raise wire.WireError(f"{where}{e}") from None
+
+
 class SpanReader:
     """Reads the spans of one prompt, wherever they stand (a segment list, a chat message's
     content parts, a whole-prompt ``input_embeds``): the one span decoder of every route. One
@@ -90,7 +98,10 @@ class SpanReader:
             raise wire.WireError(f"{where}{e}") from None
         self.bytes_left -= span.rows.numel() * 4
         grid = grid_of(fields, where)
-        return span if grid is None else dataclasses.replace(span, grid=grid)
+        bidirectional = _bidirectional_of(fields, where)
+        if grid is None and not bidirectional:
+            return span
+        return dataclasses.replace(span, grid=grid, bidirectional=bidirectional)
 
 
 def segments_from_wire(items: Any, max_bytes: int = wire.MAX_SPAN_BYTES,

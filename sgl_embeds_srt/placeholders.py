@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from blake3 import blake3
 
 from sgl_embeds_protocol.keys import ROW_DIGEST_BYTES, row_digests
 from sgl_embeds_protocol.lru import LRU, nbytes
@@ -44,6 +45,15 @@ def placeholder_ids(rows: torch.Tensor, content_key: str | None = None,
     if content_key is not None:
         _HELD_IDS.put(content_key, torch.from_numpy(ids.astype(np.int64)))
     return ids.tolist()
+
+
+def bidirectional_ids(ids: list[int], content_key: str) -> list[int]:
+    """The placeholder ids of a bidirectional span (one block): its first row's id names the whole
+    span (its content key), so a prefix cache hit that reaches into the block comes from the same
+    block, whose cached rows saw the same rows after them (docs/engine.md, "Bidirectional
+    blocks"); the others are its rows' ids."""
+    word = int.from_bytes(blake3(f"{content_key} bidirectional".encode()).digest(8), "little")
+    return [PLACEHOLDER_BASE | (word & (PLACEHOLDER_BASE - 1))] + ids[1:]
 
 
 # A server has one model dtype, so a content key's rows always become the same ids.

@@ -24,7 +24,9 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     (Imported here, not at module level: the plugin loads before SGLang's modules are ready.)"""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds_srt import engine, image_spans, logprobs, model_runner, openai, scheduler, transport
+    from sgl_embeds_srt import (
+        block_attention, blocks, engine, image_spans, logprobs, model_runner, openai, scheduler, transport,
+    )
 
     table = {
         targets.REQ_INIT: (HookType.AROUND, scheduler.req_init),
@@ -39,6 +41,13 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.HANDLE_GENERATE_REQUEST: (HookType.AROUND, scheduler.handle_generate_request),
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, model_runner.get_embedding_and_mask),
         targets.QWEN2_VISION_INIT: (HookType.AROUND, model_runner.qwen2_vision_init),
+        targets.LOAD_MODEL: (HookType.AROUND, model_runner.load_model),
+        targets.ADD_ONE_REQ: (HookType.AROUND, blocks.add_one_req),
+        targets.ADD_CHUNKED_REQ: (HookType.AROUND, blocks.add_chunked_req),
+        targets.FORWARD_BATCH_INIT: (HookType.AROUND, block_attention.forward_batch_init),
+        targets.EAGER_LOAD_BATCH: (HookType.AROUND, block_attention.load_batch),
+        targets.TORCH_NATIVE_EXTEND: (HookType.AROUND, block_attention.forward_extend),
+        targets.TORCH_NATIVE_DECODE: (HookType.AROUND, block_attention.forward_decode),
     }
     if http:
         from sgl_embeds_srt import http as http_side
@@ -63,7 +72,11 @@ def register() -> None:
     main_process = is_server_main_process()
     if main_process:
         check_guards()
-    for target, (kind, hook) in hook_table(http=main_process).items():
+    try:
+        table = hook_table(http=main_process)
+    except Exception as e:  # an installation that cannot import its hooks would serve unpatched
+        raise SystemExit(f"sgl_embeds refuses to start: its hooks failed to load: {e!r}") from e
+    for target, (kind, hook) in table.items():
         HookRegistry.register(target, hook, kind)
 
 

@@ -24,6 +24,7 @@ class SpanRows:
     content_key: str | None
     n_rows: int
     sent: bool = True
+    bidirectional: bool = False  # its rows attend each other both ways (blocks.py)
 
 
 class PromptRows(PositionalEmbeds, array_like=True):
@@ -37,12 +38,14 @@ class PromptRows(PositionalEmbeds, array_like=True):
 
     @classmethod
     def from_spans(cls, rows_per_span: list[torch.Tensor], content_keys: list[str | None],
-                   positions: list[int]) -> PromptRows:
-        """A prompt's spans (rows, content keys) in prompt order."""
+                   positions: list[int], bidirectional: list[bool] | None = None) -> PromptRows:
+        """A prompt's spans (rows, content keys, whether each attends both ways) in prompt order."""
         # one span: its rows as they are (a held span's rows are not copied). Spans of several
         # dtypes occur on a float32 model only (prompts.EXACT_CASTS): torch.cat promotes to it
         embeds = rows_per_span[0] if len(rows_per_span) == 1 else torch.cat(rows_per_span)
-        spans = [SpanRows(key, rows.shape[0]) for rows, key in zip(rows_per_span, content_keys)]
+        bidirectional = bidirectional or [False] * len(rows_per_span)
+        spans = [SpanRows(key, rows.shape[0], bidirectional=both)
+                 for rows, key, both in zip(rows_per_span, content_keys, bidirectional)]
         return cls(embeds, positions, spans=spans)
 
 

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.family import split_family
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_protocol.keys import keyed
 from sgl_embeds_srt.parse import REQUEST_SPAN_FIELDS, max_span_bytes, parse_prompts
-from sgl_embeds_srt.placeholders import placeholder_ids
+from sgl_embeds_srt.placeholders import bidirectional_ids, placeholder_ids
 from sgl_embeds_protocol.segments import Span, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
 from sgl_embeds_srt.prompt_rows import PromptRows
@@ -35,12 +36,18 @@ class ModelSpec:
     tokenizer: Any
     vision: VisionSpec | None = None  # an M-RoPE VLM served natively: spans are images
     model_path: str | None = None  # as the server was launched with it
+    prefix_lm: bool = False  # every prompt is one bidirectional block (family.Family.prefix_lm)
+    blocks_refused: str | None = None  # why this server cannot attend a block both ways
+    max_block: int | None = None  # the most positions one block may hold (one prefill step)
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
-        mc = tm.model_config
-        return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer,
-                   VisionSpec.of(mc.hf_config), tm.server_args.model_path)
+        mc, args = tm.model_config, tm.server_args
+        vision = VisionSpec.of(mc.hf_config)
+        family = split_family(args.model_path)
+        return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer, vision,
+                   args.model_path, prefix_lm=family is not None and family.prefix_lm,
+                   blocks_refused=blocks_refused(args, mc, vision), max_block=args.max_prefill_tokens)
 
     @property
     def span_width(self) -> int:
@@ -69,6 +76,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
     content_keys: list[str] = []  # of the spans' rows as sent (transport.py)
     positions: list[int] = []
     images: list[GridSpan] = []
+    bidirectional: list[bool] = []
     for i, s in enumerate(segments):
         if isinstance(s, Text):
             if spec.tokenizer is None:
@@ -87,8 +95,12 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
             # the span; computed here for an in-process caller's spans): the digests give the
             # placeholder ids too, unless the rows must be cast
             s = keyed(s)
+            if s.bidirectional:
+                check_block(spec, s.rows.shape[0], f"segment {i}: a bidirectional span")
             if spec.vision is None:
                 t, span_ids = _rows_and_ids(s, spec, i)
+                if s.bidirectional:
+                    span_ids = bidirectional_ids(span_ids, s.content_key)
                 positions.extend(range(len(ids), len(ids) + len(span_ids)))
                 ids.extend(span_ids)
             else:
@@ -99,6 +111,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                 ids.extend(span_ids)
             rows_per_span.append(t)
             content_keys.append(s.content_key)
+            bidirectional.append(s.bidirectional)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")
     if len(ids) >= spec.context_len:
@@ -106,12 +119,41 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                          f"the model's context length of {spec.context_len}")
     if spec.vision is not None:
         check_vision_ids(ids, images, spec.vision)
+    if spec.prefix_lm:
+        check_block(spec, len(ids), "the prompt (this model attends it as one bidirectional block)")
     if not rows_per_span:
         return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions)
+    prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions, bidirectional)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows
+
+
+def blocks_refused(server_args: Any, model_config: Any, vision: VisionSpec | None) -> str | None:
+    """Why this server cannot attend a block both ways (docs/engine.md, "Bidirectional blocks");
+    None where it can."""
+    if vision is not None:
+        return ("a VLM served natively attends its image rows as its own model does: send "
+                "causal spans")
+    backend = server_args.prefill_attention_backend or server_args.attention_backend
+    if backend != TORCH_NATIVE:
+        return (f"bidirectional blocks are attended on the {TORCH_NATIVE} attention backend only; "
+                f"this server prefills with {backend!r}")
+    if getattr(model_config, "linear_attn_registry_result", None) is not None:
+        return "this model's linear-attention layers read the prompt in one direction only"
+    return None
+
+
+TORCH_NATIVE = "torch_native"
+
+
+def check_block(spec: ModelSpec, n_positions: int, what: str) -> None:
+    """A block of ``n_positions`` against what the server can attend (``ValueError``: HTTP 400)."""
+    if spec.blocks_refused is not None:
+        raise ValueError(f"{what} cannot be served here: {spec.blocks_refused}")
+    if spec.max_block is not None and n_positions > spec.max_block:
+        raise ValueError(f"{what} has {n_positions} positions; a block is prefilled in one step, "
+                         f"of at most {spec.max_block} (--max-prefill-tokens)")
 
 
 # Casts to the model's dtype that lose nothing (and so cannot overflow): rows sent in such a dtype

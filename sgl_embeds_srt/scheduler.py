@@ -15,6 +15,7 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 from sglang.srt.managers.io_struct import MMInputsProcessError
 from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST, MultimodalProcessorOutput
 
+from sgl_embeds_srt.blocks import set_blocks
 from sgl_embeds_srt.image_spans import is_span_item
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
 from sgl_embeds_srt.prompt_rows import SpanPromptRows
@@ -26,9 +27,11 @@ def is_span_prompt(req: Any) -> bool:
 
 
 def req_init(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-    """After ``Req.__init__``: undo the stock cache opt-out for span prompts, and abort a request
-    holding an id the embedding table cannot look up (the last guard, see ``token_ids.py``)."""
+    """After ``Req.__init__``: the request's bidirectional blocks (``blocks.set_blocks``), the
+    stock cache opt-out undone for span prompts, and a request holding an id the embedding table
+    cannot look up aborted (the last guard, see ``token_ids.py``)."""
     original(self, *args, **kwargs)
+    set_blocks(self)
     overrides = self.positional_embed_overrides
     if overrides is not None and overrides.embeds is None:  # rows the scheduler lacks (transport.py)
         self.positional_embed_overrides = None  # so its placeholders abort it below

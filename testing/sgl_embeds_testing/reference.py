@@ -68,11 +68,14 @@ def embed_ids(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int, prefix: list[int] = (),
-                 dtype: torch.dtype = torch.float32) -> Greedy:
+                 dtype: torch.dtype = torch.float32, blocks: Collection[tuple[int, int]] = ()) -> Greedy:
     """HF's greedy continuation of ``inputs_embeds`` followed by the tokens ``prefix``, with the
-    model in ``dtype``."""
+    model in ``dtype``; ``blocks``: ``[start, end)`` ranges of the prompt attended both ways
+    (``greedy_with_blocks``)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
+    if blocks:
+        return greedy_with_blocks(model_dir, inputs_embeds, max_new_tokens, blocks, prefix)
     if prefix:
         inputs_embeds = torch.cat([inputs_embeds.float(), embed_ids(model_dir, list(prefix))])
     model = hf_model(str(model_dir), dtype)
@@ -84,10 +87,41 @@ def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tok
     return _greedy_from_scores(out.sequences, out.scores)
 
 
+def block_mask(n: int, blocks: Collection[tuple[int, int]]) -> torch.Tensor:
+    """``[1, 1, n, n]`` bool (True: attends): causal, each block's positions seeing the block."""
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    for start, end in blocks:
+        allowed[start:end, start:end] = True
+    return allowed[None, None]
+
+
+@torch.no_grad()
+def greedy_with_blocks(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int,
+                       blocks: Collection[tuple[int, int]], prefix: list[int] = ()) -> Greedy:
+    """HF's greedy continuation of a prompt whose ``blocks`` attend both ways: the prompt runs once
+    with that 4-D mask (``block_mask``), then each new token attends its cache causally, in
+    float32; the tokens ``prefix`` are forced first."""
+    model = hf_model(str(model_dir))
+    eos = eos_ids(model)
+    out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=block_mask(inputs_embeds.shape[0], blocks),
+                use_cache=True)
+    tokens, scores = [], []
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1]
+        token = list(prefix)[step] if step < len(prefix) else int(logits[0].argmax())
+        if step >= len(prefix):
+            scores.append(logits)
+        tokens.append(token)
+        if token in eos and step >= len(prefix):
+            break
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return _greedy_from_scores(torch.tensor([tokens]), tuple(scores))
+
+
 def assert_matches_hf(ours: list[int] | dict, model_dir: str | Path, inputs_embeds: torch.Tensor,
                       max_new_tokens: int, context: str = "", other_span_embeds: torch.Tensor | None = None,
                       dtype: torch.dtype = torch.float32, near_tie: float = NEAR_TIE,
-                      logprob_start_len: int = 0) -> Greedy:
+                      logprob_start_len: int = 0, blocks: Collection[tuple[int, int]] = ()) -> Greedy:
     """Our greedy tokens equal HF ``generate(inputs_embeds=...)`` under ``check_greedy``'s rule;
     the reference must not be degenerate, and (given ``other_span_embeds``, the same prompt with
     a different span) must change with the span. Returns HF's reference.
@@ -95,21 +129,21 @@ def assert_matches_hf(ours: list[int] | dict, model_dir: str | Path, inputs_embe
     ``ours``: the output ids, or a ``/generate`` response sent with ``return_logprob``, whose
     numbers are then compared too (``assert_response_logprobs``; its input logprobs, when it has
     them, by ``assert_input_logprobs`` from ``logprob_start_len``, the position the request asked
-    them from)."""
+    them from). ``blocks``: ranges of the prompt HF attends both ways (``greedy_with_blocks``)."""
     tokens = ours["output_ids"] if isinstance(ours, dict) else ours
-    reference = greedy_after(model_dir, inputs_embeds, max_new_tokens, dtype=dtype)
+    reference = greedy_after(model_dir, inputs_embeds, max_new_tokens, dtype=dtype, blocks=blocks)
     if other_span_embeds is None:
         assert_not_degenerate(reference.tokens, context, min_distinct=3)
     else:
-        other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype).tokens
+        other = greedy_after(model_dir, other_span_embeds, max_new_tokens, dtype=dtype, blocks=blocks).tokens
         assert other != reference.tokens, f"{context}the span does not change HF's output: {other}"
-    check_greedy(tokens, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype), context,
-                 near_tie, eos_ids(hf_model(str(model_dir))))
+    check_greedy(tokens, lambda prefix: greedy_after(model_dir, inputs_embeds, max_new_tokens, prefix, dtype, blocks),
+                 context, near_tie, eos_ids(hf_model(str(model_dir))))
     if isinstance(ours, dict):
         tol = LOGPROB_TOL if dtype == torch.float32 else BF16_LOGPROB_TOL
         assert_response_logprobs(ours, reference, context, tol)
         if ours["meta_info"].get("input_token_logprobs"):  # sent with a logprob_start_len
-            assert_input_logprobs(ours, model_dir, inputs_embeds, context, tol, dtype, logprob_start_len)
+            assert_input_logprobs(ours, model_dir, inputs_embeds, context, tol, dtype, logprob_start_len, blocks)
     return reference
 
 
@@ -229,16 +263,19 @@ def assert_response_logprobs(out: dict, reference: Greedy, context: str = "", to
 @torch.no_grad()
 def assert_input_logprobs(out: dict, model_dir: str | Path, inputs_embeds: torch.Tensor, context: str = "",
                           tol: float = LOGPROB_TOL, dtype: torch.dtype = torch.float32,
-                          logprob_start_len: int = 0) -> int:
+                          logprob_start_len: int = 0, blocks: Collection[tuple[int, int]] = ()) -> int:
     """The response's input logprobs, entry ``j`` at prompt position ``logprob_start_len + j``:
     at every text position but the start (a row of the prompt that is a token's embedding, found
     here from the rows, not from the response) an entry naming that token, its logprob HF's
     log-softmax of the prompt's forward at the position before within ``tol``; at a span row
-    ``[None, None, None]``. Returns how many were compared."""
+    ``[None, None, None]``; ``blocks``: ranges the forward attends both ways. Returns how many were
+    compared."""
     entries, n = out["meta_info"]["input_token_logprobs"], inputs_embeds.shape[0]
     assert len(entries) == n - logprob_start_len, (
         f"{context}{len(entries)} input logprobs from position {logprob_start_len} of {n}")
-    logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0)).logits[0]
+    mask = block_mask(n, blocks) if blocks else None
+    logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0),
+                                             attention_mask=mask).logits[0]
     distributions = logits.double().log_softmax(-1)
     table = hf_model(str(model_dir)).get_input_embeddings().weight.float()
     compared = 0

@@ -1,0 +1,123 @@
+"""Bidirectional spans (``"attention": "bidirectional"``) on real SGLang servers (CPU, float32, a
+tiny Llama): tokens and logprobs equal HF run with the same 4-D mask (the span's rows one block),
+whole, at chunk sizes that would cut the block, after a cached repeat and beside other requests.
+Each prompt's HF answer changes when the same rows are attended causally, so an ignored mask fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import OUTPUT_LOGPROBS, body, error_message, generate, reference_embeds, seeded_rows, span, text
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_testing import reference as ref
+
+MAX_TOKENS = 10
+
+
+def _rows(seed: int, n: int) -> torch.Tensor:
+    return seeded_rows(seed, n, scale=0.5)  # larger than the token rows: the mask shows in HF's answer
+
+
+def _segments(parts: list, bidirectional: bool = True) -> list:
+    out = []
+    for p in parts:
+        out.append(text(p) if isinstance(p, str) else span(p))
+        if not isinstance(p, str) and bidirectional:
+            out[-1][seg.ATTENTION] = seg.BIDIRECTIONAL
+    return out
+
+
+def _blocks(model_dir, parts: list) -> list[tuple[int, int]]:
+    """Where each span's rows stand in the prompt HF runs (``reference_embeds``)."""
+    tok, blocks, pos = ref.hf_tokenizer(str(model_dir)), [], 0
+    for i, p in enumerate(parts):
+        n = len(tok.encode(p, add_special_tokens=i == 0)) if isinstance(p, str) else p.shape[0]
+        if not isinstance(p, str):
+            blocks.append((pos, pos + n))
+        pos += n
+    return blocks
+
+
+def _check(out: dict, model_dir, parts: list, context: str) -> ref.Greedy:
+    """``out`` equals HF with the spans as blocks; HF's causal answer over the same rows differs."""
+    embeds, blocks = reference_embeds(model_dir, parts), _blocks(model_dir, parts)
+    reference = ref.assert_matches_hf(out, model_dir, embeds, MAX_TOKENS, context, blocks=blocks)
+    causal = ref.greedy_after(model_dir, embeds, MAX_TOKENS)
+    assert causal.tokens != reference.tokens, f"{context}HF's answer must change when the block is attended causally"
+    return reference
+
+
+PROMPTS = {
+    "a block after text": ["the red fox", _rows(0, 12), " near the blue house"],
+    "two blocks": ["the red fox", _rows(1, 20), " near", _rows(51, 12), " the blue house"],
+}
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_bidirectional_spans_match_hf_with_the_same_mask(llama_server, llama_dir, name):
+    parts = PROMPTS[name]
+    out = generate(llama_server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    _check(out, llama_dir, parts, f"{name}: ")
+
+
+def test_input_logprobs_see_the_block(llama_server, llama_dir):
+    """The prompt's own logprobs (every position recomputed) come from the masked forward too."""
+    parts = PROMPTS["a block after text"]
+    out = generate(llama_server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS, logprob_start_len=0))
+    compared = ref.assert_input_logprobs(out, llama_dir, reference_embeds(llama_dir, parts),
+                                         blocks=_blocks(llama_dir, parts))
+    assert compared >= 4
+
+
+CHUNK_CUTS = {  # on the constrained server: 16-position chunks
+    # the first chunk would end inside [4, 16 + 8): it ends at 4, the next takes the block whole
+    "a block longer than a chunk": ["the red fox", _rows(0, 20), " near the blue house"],
+    # the block [9, 21) would be cut at 16: the first chunk ends before it
+    "a block across a chunk end": ["the red fox near the blue house and", _rows(5, 12), " the sky"],
+}
+
+
+@pytest.mark.parametrize("name", CHUNK_CUTS)
+def test_prefill_chunks_never_cut_a_block(servers, name):
+    server = servers.get("constrained")[0]
+    parts = CHUNK_CUTS[name]
+    start, end = _blocks(server.model_dir, parts)[0]
+    assert start < 16 < end, "the block must straddle the first chunk's end"
+    out = generate(server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    _check(out, server.model_dir, parts, f"{name}: ")
+
+
+def test_a_repeat_hits_the_cache_and_a_causal_twin_does_not_leak_into_the_block(llama_server, llama_dir):
+    """The same rows sent causally first: the bidirectional span must not reuse their cached KV
+    (its first placeholder id names the block); its own repeat hits inside the block and stays
+    exact."""
+    parts = ["the blue house", _rows(7, 12), " and the red fox"]
+    start, end = _blocks(llama_dir, parts)[0]
+    causal = generate(llama_server, body(_segments(parts, bidirectional=False), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    ref.assert_matches_hf(causal, llama_dir, reference_embeds(llama_dir, parts), MAX_TOKENS, "causal first: ")
+    first = generate(llama_server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    assert first["meta_info"]["cached_tokens"] <= start, "a causal span's cache must not serve a block"
+    _check(first, llama_dir, parts, "block after its causal twin: ")
+    repeat = generate(llama_server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    assert repeat["meta_info"]["cached_tokens"] >= end, "a repeat of the same block hits the cache past it"
+    _check(repeat, llama_dir, parts, "repeat: ")
+
+
+def test_a_batch_mixing_blocks_and_causal_spans(llama_server, llama_dir):
+    block_parts, causal_parts = PROMPTS["a block after text"], ["the sky", _rows(9, 8), " is"]
+    out = generate(llama_server, {
+        "input_segments": [_segments(block_parts), _segments(causal_parts, bidirectional=False)],
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_TOKENS}, **OUTPUT_LOGPROBS})
+    _check(out[0], llama_dir, block_parts, "batched block: ")
+    ref.assert_matches_hf(out[1], llama_dir, reference_embeds(llama_dir, causal_parts), MAX_TOKENS, "batched causal: ")
+
+
+@pytest.mark.parametrize("value", ["sideways", 1, True])
+def test_an_unknown_attention_is_a_400(llama_server, value):
+    segments = _segments(["the red fox", _rows(0, 4)])
+    segments[1][seg.ATTENTION] = value
+    r = llama_server.generate(body(segments, 4))
+    assert r.status_code == 400 and "attention must be 'causal' or 'bidirectional'" in error_message(r), r.text
+    assert llama_server.generate(body(_segments(["the red fox", _rows(0, 4)]), 4)).status_code == 200
