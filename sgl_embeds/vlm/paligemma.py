@@ -1,20 +1,10 @@
-"""The vision half of a PaliGemma checkpoint (PaliGemma 1 and 2), and its prompt rule.
+"""The vision half of a PaliGemma checkpoint (PaliGemma 1 and 2) and its prompt rule.
 
-``PaliGemmaEncoder(DST/vision)`` (also ``load_encoder``) gives an image's rows as HF's
-``PaliGemmaModel.get_image_features(...).pooler_output`` computes them in transformers 5.19: the
-checkpoint's own image processor (SigLIP's: resized to ``image_size`` square, rescaled,
-normalized), its SigLIP tower built by transformers from the saved ``vision_config``, the tower's
-last hidden state, then ``multi_modal_projector``, one linear layer (no scaling by the LLM's
-width: 5.19 scales the text rows in the embedding layer and leaves the image rows as they are).
-
-The prompt, as ``PaliGemmaProcessor`` lays it out: the image rows first, then the tokenizer's
-bos, the prompt text and a newline (``prompt_text``, ``prompt_segments``). The bos is written as
-text: the span comes first, and the server adds special tokens only to a prompt's first text
-segment when that segment opens the prompt. The LLM attends the whole prompt as one bidirectional
-block (``Family.prefix_lm``; docs/engine.md, "Bidirectional blocks").
-
-``checkpoint_settings`` reads what ``split`` saves (``PaliGemmaVision``) and refuses, by name,
-what the encoder could not reproduce exactly (docs/vision-encoders.md).
+``PaliGemmaEncoder(DST/vision)`` (also ``load_encoder``): an image's rows as transformers 5.19's
+``get_image_features(...).pooler_output`` (SigLIP's image processor and tower, the last hidden
+state, one linear layer; not divided by sqrt(hidden)). The prompt as ``PaliGemmaProcessor`` lays it
+out: image rows first, then bos, the text, a newline (``prompt_text``, ``prompt_segments``), the bos
+written out since the span comes first; the LLM attends it as one block (docs/vision-encoders.md).
 """
 
 from __future__ import annotations

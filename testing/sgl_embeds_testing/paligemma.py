@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
 from transformers import (
     Gemma2Config, GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration,
     PaliGemmaProcessor, SiglipImageProcessor, SiglipVisionConfig,
@@ -23,7 +24,8 @@ from sgl_embeds_testing.models import (
     TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
 )
 
-PALIGEMMA_CACHE_VERSION = "v1"
+PALIGEMMA_CACHE_VERSION = "v2"
+_FINAL_NORM = "language_model.model.norm.weight"
 IMAGE_SIZE, PATCH = 32, 8  # 16 rows an image
 ROWS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
 # Gemma2's soft caps, lower than the real checkpoints' (50 and 30) so that they act on the tiny
@@ -34,6 +36,9 @@ ATTN_SOFTCAP, FINAL_SOFTCAP, SLIDING_WINDOW = 20.0, 10.0, 256
 # embeddings keep the default init (``EMBED_SCALE``), or the LM head repeats the last token
 _INIT = {1: (2, 8.0, 2.0), 2: (1, 8.0, 2.0)}
 EMBED_SCALE = 1.0
+# the final norm's gain (Gemma's RMSNorm multiplies by 1 + weight): logits of the tied LM head this
+# many times larger, the same greedy tokens with wider top-2 gaps (else logits stay under 1)
+LOGIT_SCALE = 8.0
 
 
 def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
@@ -78,6 +83,9 @@ def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
             hidden_size=TINY_HIDDEN, vocab_size=len(tok))
         save_scaled_vlm(PaliGemmaForConditionalGeneration, config, _INIT[generation], tmp,
                         embed_scale=EMBED_SCALE)
+        weights = load_file(str(tmp / "model.safetensors"))
+        weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         processor.save_pretrained(tmp)
         if layout == "model":
             _rename_to_model_layout(tmp)
