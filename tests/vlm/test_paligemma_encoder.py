@@ -11,14 +11,16 @@ import shutil
 from functools import cache
 
 import pytest
+import sglang as sgl
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import helpers
+import sgl_embeds
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.paligemma import ROWS_PER_IMAGE, tiny_paligemma_dir
-from sgl_embeds.vlm import load_encoder, split
+from sgl_embeds.vlm import image_prompt, load_encoder, split
 from sgl_embeds.vlm.paligemma import PaliGemmaEncoder, prompt_segments, prompt_text
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import FAMILY_FILE, family_of
@@ -144,6 +146,23 @@ def test_the_segments_give_the_processors_ids(generation):
     assert ids[ROWS_PER_IMAGE] == tok.bos_token_id
     assert inputs["token_type_ids"].eq(0).all()
     assert encoder.prompt_text(PROMPT) == prompt_text(PROMPT, tok.bos_token)
+
+
+def test_a_program_sends_the_span_first_then_the_bos_and_text():
+    """``image_prompt(encoder.prompt_text(...))`` in a program sends what ``prompt_segments``
+    builds: the image's rows, then ``bos + prompt + newline``."""
+    encoder = _encoder(1)
+    image = helpers.random_image(40, 30, 0)
+
+    @sgl.function
+    def ask(s, image):
+        s += image_prompt(encoder.prompt_text(PROMPT), [image])
+        s += sgl.gen("answer", max_tokens=4)
+
+    (sent, *_) = sgl_embeds.compile_program(ask, vision_encoder=encoder, image=image)
+    want = prompt_segments([encoder(image)], PROMPT, encoder.bos_token).segments
+    assert [type(s) for s in sent] == [seg.Span, seg.Text]
+    assert torch.equal(sent[0].rows, want[0].rows) and sent[1].text == want[1].text
 
 
 def _prompt_rows(generation: int, image) -> torch.Tensor:
