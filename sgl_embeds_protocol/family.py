@@ -23,6 +23,10 @@ SPLIT = "split"  # its LLM served as a causal LM; tower + projector on the clien
 NATIVE = "native"  # the whole checkpoint served by SGLang; its image rows at M-RoPE positions
 REFUSED = "refused"  # known, and refused by name (``Family.refused`` says why)
 
+# A split family's projector (``Family.projector``)
+MLP = "mlp"  # LLaVA's linear_1 -> act -> linear_2 over the tower's selected feature layers
+LINEAR = "linear"  # PaliGemma's one linear layer over the tower's last hidden state
+
 
 @dataclass(frozen=True)
 class Family:
@@ -48,6 +52,7 @@ class Family:
     # its LLM attends the whole prompt both ways (a prefix LM, PaliGemma): each request's prompt is
     # one bidirectional block; generated tokens attend causally
     prefix_lm: bool = False
+    projector: str = MLP  # a split family's: MLP or LINEAR
 
     def __post_init__(self) -> None:
         if self.served_as not in (SPLIT, NATIVE, REFUSED):
@@ -56,6 +61,8 @@ class Family:
             raise ValueError(f"{self.name}: a refused family says why, and only it")
         if self.clip_time not in (None, SECONDS_PER_STEP, TIMESTAMPS):
             raise ValueError(f"{self.name}: clip_time {self.clip_time!r}")
+        if self.projector not in (MLP, LINEAR):
+            raise ValueError(f"{self.name}: projector {self.projector!r}")
 
 
 _QWEN_VL = dict(mrope=True, clips=True)  # grid spans at M-RoPE positions, clips with their time
@@ -66,6 +73,8 @@ FAMILIES = (
            tiling="anyres"),
     Family("llava_onevision", "LLaVA-OneVision", "LlavaOnevisionForConditionalGeneration", SPLIT,
            tiling="anyres_max"),
+    Family("paligemma", "PaliGemma", "PaliGemmaForConditionalGeneration", SPLIT, prefix_lm=True,
+           projector=LINEAR),
     Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
     Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
            clip_time=SECONDS_PER_STEP),

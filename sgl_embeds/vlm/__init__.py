@@ -1,6 +1,6 @@
 """Serve a VLM's language model with SGLang and run its vision half here, on the client.
 
-A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision) is split: ``python -m
+A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma) is split: ``python -m
 sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
 ``DST/vision``. A native family's checkpoint (Qwen-VL) is served whole and is its own vision half.
 ``load_encoder`` takes either and gives the ``VisionEncoder`` for ``EmbedsEndpoint(
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME, model_type
+from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
 
@@ -40,16 +40,25 @@ def _llava(path: Path, device: str | torch.device | None) -> Any:
     return load_llava_encoder(path, device)
 
 
+def _paligemma(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.paligemma import PaliGemmaEncoder  # lazy: the module docstring
+
+    return PaliGemmaEncoder(path, device=device)
+
+
 # The encoder of each natively served family (a checkpoint folder is its vision half)
 NATIVE_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
     family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
+# The encoder of a split family's vision/ folder, by the format its settings name
+SPLIT_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
+    LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma}
 
 
 def load_encoder(path: str | Path, device: str | torch.device | None = None) -> Any:
     """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
     (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
-    LLaVA-OneVision)."""
+    LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma)."""
     path = Path(path)
     found = model_type(path)
     if found in NATIVE_ENCODERS:
@@ -61,9 +70,9 @@ def load_encoder(path: str | Path, device: str | torch.device | None = None) -> 
                          f"of a natively served family {tuple(NATIVE_ENCODERS)} or the vision/ "
                          "folder that `python -m sgl_embeds.vlm split` writes from a split one")
     settings = path / CONFIG_NAME
-    if settings.exists() and json.loads(settings.read_text()).get("format") == ANYRES_FORMAT:
-        return _anyres(path, device)
-    return _llava(path, device)
+    found = json.loads(settings.read_text()).get("format") if settings.exists() else None
+    # a folder without settings, or of another format: LlavaEncoder names what is missing
+    return SPLIT_ENCODERS.get(found, _llava)(path, device)
 
 
 # The rest of the package's names, from their modules, imported when first asked for

@@ -1,6 +1,7 @@
-"""Split an HF LLaVA checkpoint into an LLM that SGLang serves and a vision half that we run.
+"""Split an HF LLaVA or PaliGemma checkpoint into an LLM that SGLang serves and a vision half that
+we run.
 
-``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision directory as transformers
+``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision or PaliGemma directory as transformers
 writes it (safetensors, both key layouts) and writes ``DST/llm/`` (an ordinary causal LM and the
 family file) and ``DST/vision/`` (tower and projector weights, settings, chat template). Anything
 it cannot carry over exactly is a ``ValueError`` naming the key or field; a ``.bin`` checkpoint is
@@ -25,12 +26,15 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from sgl_embeds.vlm import paligemma
 from sgl_embeds.vlm.anyres import checkpoint_settings
 from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
-from sgl_embeds_protocol.family import FAMILY_FILE, FAMILIES, SPLIT, Family, family_file, family_of
+from sgl_embeds_protocol.family import (
+    FAMILY_FILE, FAMILIES, LINEAR, SPLIT, Family, family_file, family_of,
+)
 
 SHARD_BYTES = 4 << 30
 _LLM_FILES = ("generation_config.json",)
@@ -38,7 +42,8 @@ _LLM_FILES = ("generation_config.json",)
 
 def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
           progress: bool = False) -> tuple[Path, Path]:
-    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA checkpoint ``src``; returns both paths.
+    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA / PaliGemma checkpoint ``src``; returns
+    both paths.
     ``progress``: a progress bar over the language model's tensors (the bulk of the bytes)."""
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
@@ -51,19 +56,24 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
                          f"{', '.join(repr(f.name) for f in splittable)} checkpoints "
                          f"({', '.join(f.hf_class for f in splittable)}) can be split")
     vision_type = raw.get("vision_config", {}).get("model_type")
-    if family.tiling is None and vision_type != "clip_vision_model":
+    if family.projector != LINEAR and family.tiling is None and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
                          "(clip_vision_model) map onto open_clip")
     try:
         config = AutoConfig.from_pretrained(src)
     except StrictDataclassError as e:  # a value transformers itself refuses, e.g. a strategy
         raise ValueError(f"{src}/config.json: {e}") from None
-    arch = _causal_lm_architecture(config.text_config)
+    text_config = config.text_config
+    if family.projector == LINEAR:  # PaliGemma: a plain Gemma / Gemma2 of its text config
+        text_config = paligemma.llm_config(text_config)
+    arch = _causal_lm_architecture(text_config)
     log(f"[split] {src}: {family.hf_class} with a {vision_type} tower and a {arch} language model")
 
     weights = weight_index(src)
     parts = _partition(weights, family)
-    if family.tiling is None:  # LLaVA-1.5: an open_clip tower, one square image
+    if family.projector == LINEAR:  # PaliGemma: transformers' SigLIP tower, one linear layer
+        vision, image_processor = paligemma.checkpoint_settings(src, config, parts.projector)
+    elif family.tiling is None:  # LLaVA-1.5: an open_clip tower, one square image
         vision = _vision_config(src, config, parts.projector)
         image_processor = None
     else:
@@ -76,9 +86,10 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     for d in (llm_dir, vision_dir):
         d.mkdir(parents=True, exist_ok=True)
     tensors = Tensors(weights)
-    _write_llm(src, config, arch, tensors, parts.llm, llm_dir, log, progress)
+    llm_keys = _untied(parts.llm, tensors, text_config)
+    _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
     tower = {k: tensors[full] for k, full in parts.tower.items()}
-    if family.tiling is None:
+    if family.tiling is None and family.projector != LINEAR:
         tower = clip_to_open_clip(tower, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
     state.update({f"projector.{k}": tensors[full].contiguous() for k, full in parts.projector.items()})
@@ -90,7 +101,12 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     (llm_dir / FAMILY_FILE).write_text(family_file(family.name, "../vision", vision.image_token))
-    if image_processor is None:
+    if family.projector == LINEAR:
+        image_processor.save_pretrained(vision_dir)  # preprocessor_config.json
+        size = vision.vision_config["image_size"]
+        log(f"[split] vision: {vision_type} tower, {size}x{size} px, {vision.rows_per_image} "
+            f"rows per image -> {vision_dir}")
+    elif image_processor is None:
         log(f"[split] vision: open_clip tower ({vision.tower.layers} blocks, width "
             f"{vision.tower.width}), feature layers {list(vision.feature_layers)}, "
             f"{vision.rows_per_image} rows per image -> {vision_dir}")
@@ -275,9 +291,23 @@ def _processor_chat_template(src: Path) -> str | None:
     return None
 
 
-def _write_llm(src: Path, config, arch: str, tensors: Tensors, llm_keys: dict[str, str],
+def _untied(llm_keys: dict[str, str], tensors: Tensors, text_config) -> dict[str, str]:
+    """``llm_keys`` less ``lm_head.weight`` where the LLM ties it to ``embed_tokens``: a stored
+    copy must equal the embeddings (SGLang's tied models never read it)."""
+    if not text_config.tie_word_embeddings or "lm_head.weight" not in llm_keys:
+        return llm_keys
+    embed = llm_keys.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ValueError("missing language-model weight model.embed_tokens.weight (lm_head is tied "
+                         "to it)")
+    if not torch.equal(tensors[llm_keys["lm_head.weight"]], tensors[embed]):
+        raise ValueError(f"checkpoint key {llm_keys['lm_head.weight']!r} differs from {embed!r} but "
+                         "text_config.tie_word_embeddings is True: which one the LLM uses is unclear")
+    return {k: v for k, v in llm_keys.items() if k != "lm_head.weight"}
+
+
+def _write_llm(src: Path, text, arch: str, tensors: Tensors, llm_keys: dict[str, str],
                out: Path, log: Callable[[str], None], progress: bool) -> None:
-    text = config.text_config
     text.architectures = [arch]
     text.save_pretrained(out)
     shards: list[dict[str, torch.Tensor]] = [{}]

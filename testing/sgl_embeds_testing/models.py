@@ -183,16 +183,21 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
     return build_once(cache_dir() / f"tiny-llava-{arch}-{layout}-{LLAVA_CACHE_VERSION}", build)
 
 
-def save_scaled_vlm(model_class, config, init: tuple[int, float, float], out: Path) -> None:
+def save_scaled_vlm(model_class, config, init: tuple[int, float, float], out: Path,
+                    embed_scale: float | None = None) -> None:
     """Save a random ``model_class(config)`` (a LLaVA-style VLM) to ``out``, its language model
-    and projector scaled up; ``init``: (seed, language-model scale, projector scale)."""
+    and projector scaled up; ``init``: (seed, language-model scale, projector scale).
+    ``embed_scale``: the language model's token embeddings scaled by this instead (with tied
+    embeddings, embeddings as large as the layers' weights make the LM head repeat a token)."""
     seed, lm_scale, projector_scale = init
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "language_model" in name or name.startswith("lm_head"):
-                if "norm" not in name:
+                if embed_scale is not None and "embed_tokens" in name:
+                    p.mul_(embed_scale)
+                elif "norm" not in name:
                     p.mul_(lm_scale)
             elif "multi_modal_projector" in name:
                 p.mul_(projector_scale)

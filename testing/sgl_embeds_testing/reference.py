@@ -383,3 +383,106 @@ def at_most_one_forgiven_near_tie_per_test():
     """Imported by tests/conftest.py and gpu/conftest.py."""
     with at_most_one_forgiven_near_tie():
         yield
+
+
+# -- HF PaliGemma as the reference for a prefix LM --------------------------------------------
+# PaliGemma attends its whole prompt (image rows, bos, text, newline) as one bidirectional block
+# and what it generates causally (token_type_ids 0 for the prompt, as its processor gives them).
+# Eager attention throughout: SDPA leaves out Gemma2's attention soft-capping.
+
+
+@lru_cache(maxsize=4)
+def hf_paligemma(checkpoint: str):
+    """HF's ``PaliGemmaForConditionalGeneration`` (float32, eager attention) and processor."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def paligemma_inputs(checkpoint: str | Path, prompt: str, images: list) -> dict:
+    """What HF's processor builds for ``prompt`` about ``images``: the image tokens, bos,
+    ``prompt``, a newline (``input_ids``), ``token_type_ids`` all 0 (one block), the pixels."""
+    _, processor = hf_paligemma(str(checkpoint))
+    text = processor.image_token * len(images) + prompt
+    return dict(processor(images=images, text=text, return_tensors="pt"))
+
+
+@torch.no_grad()
+def paligemma_greedy(checkpoint: str | Path, prompt: str, images: list, max_new_tokens: int,
+                     prefix: list[int] = (), causal: bool = False) -> Greedy:
+    """HF ``generate`` of the checkpoint's PaliGemma (float32, greedy) after ``prompt`` about
+    ``images`` and then ``prefix`` (tokens generated before: causal, as in HF's generation).
+    ``causal=True``: the prompt attended causally instead of as one block (no token_type_ids)."""
+    if len(prefix) >= max_new_tokens:
+        return Greedy([], [], [])
+    model, _ = hf_paligemma(str(checkpoint))
+    inputs = paligemma_inputs(checkpoint, prompt, images)
+    inputs.pop("labels", None)
+    if prefix:
+        extra = torch.tensor([list(prefix)])
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.ones_like(extra)], dim=1)
+    if causal:
+        del inputs["token_type_ids"]
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=model.config.text_config.pad_token_id)
+    return _greedy_from_scores(out.sequences, out.scores)
+
+
+@lru_cache(maxsize=4)
+def hf_eager_model(model_dir: str):
+    """``hf_model``'s causal LM with eager attention (float32): for custom 4-D masks."""
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def prefix_lm_mask(length: int, block: int) -> torch.Tensor:
+    """``[1, 1, length, length]`` additive mask: positions ``< block`` attend to each other both
+    ways (the prompt, one block); the rest causally, to the block and what came before."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[:block, :block] = True
+    mask = torch.zeros(length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return mask[None, None]
+
+
+@torch.no_grad()
+def prefix_lm_logits(model_dir: str | Path, inputs_embeds: torch.Tensor, block: int,
+                     position_offset: int = 1) -> torch.Tensor:
+    """``[n, vocab]`` logits of the causal LM at ``model_dir`` (a split PaliGemma's ``llm/``) over
+    ``inputs_embeds`` (as the LLM's layers take them: text rows already scaled by its embedding
+    layer) with the first ``block`` rows one bidirectional block (``block=0``: causal) and
+    positions from ``position_offset`` (PaliGemma's are 1-based)."""
+    model = hf_eager_model(str(model_dir))
+    n = inputs_embeds.shape[0]
+    positions = (torch.arange(n) + position_offset)[None]
+    out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=prefix_lm_mask(n, block),
+                position_ids=positions, use_cache=False)
+    return out.logits[0]
+
+
+@torch.no_grad()
+def prefix_lm_greedy(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tokens: int,
+                     prefix: list[int] = (), causal: bool = False) -> Greedy:
+    """The greedy continuation of a prompt of ``inputs_embeds`` (the LLM's layers' input, as in
+    ``prefix_lm_logits``) attended as one block (``causal=True``: causally), then ``prefix``, by
+    the causal LM at ``model_dir``; a full forward per step (tiny models only)."""
+    model = hf_eager_model(str(model_dir))
+    embed = model.get_input_embeddings()
+    block = 0 if causal else inputs_embeds.shape[0]
+    rows, tokens, scores = inputs_embeds.float(), list(prefix), []
+    eos = eos_ids(model)
+    if prefix:
+        rows = torch.cat([rows, embed(torch.tensor(list(prefix))).float()])
+    for _ in range(max_new_tokens - len(prefix)):
+        logits = prefix_lm_logits(model_dir, rows, block)[-1]
+        scores.append(logits[None])
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos:
+            break
+        rows = torch.cat([rows, embed(torch.tensor([token])).float()])
+    if not scores:
+        return Greedy([], [], [])
+    return _greedy_from_scores(torch.tensor([tokens]), tuple(scores))

@@ -308,7 +308,7 @@ def test_every_sabotage_patch_still_applies():
 # reads) and its family modules (docs/architecture.md, "Adding a family"); the test builders are
 # test support, not the client
 FAMILY_HOMES = {"sgl_embeds_protocol/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
-                "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py"}
+                "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py", "sgl_embeds/vlm/paligemma.py"}
 
 
 def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:
@@ -355,7 +355,8 @@ def test_importing_the_client_loads_no_familys_code():
              f"towers = {towers!r}\n"
              "print('\\n'.join(m for m in sys.modules if m.split('.')[0] == 'open_clip'\n"
              "      or m.startswith('transformers.models.') and m.split('.')[2] in towers and '.modeling_' in m\n"
-             "      or m in ('sgl_embeds.vlm.qwen_vl', 'sgl_embeds.vlm.anyres', 'sgl_embeds.vlm.tower')))\n"
+             "      or m in ('sgl_embeds.vlm.qwen_vl', 'sgl_embeds.vlm.anyres', 'sgl_embeds.vlm.tower',\n"
+             "               'sgl_embeds.vlm.paligemma')))\n"
              "from sgl_embeds.vlm import QwenVLEncoder\n"
              "print('asked', 'sgl_embeds.vlm.qwen_vl' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)

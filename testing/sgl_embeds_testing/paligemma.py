@@ -1,0 +1,94 @@
+"""Tiny random-weight PaliGemma checkpoints (PaliGemma 1: a Gemma LLM; PaliGemma 2: a Gemma2 LLM)
+as transformers saves them, with their ``PaliGemmaProcessor``.
+
+Built once into ``models.py``'s cache with fixed seeds. The SigLIP tower takes 32 px images in
+8x8 patches (16 rows an image) in front of a tiny Gemma / Gemma2 (hidden 64, 2 layers), scaled up
+from the default init so that the image, and the mask the prompt is attended with, change HF's
+greedy answer. The tokenizer has PaliGemma's added tokens: ``<image>``, ``<loc0000>`` ..
+``<loc1023>`` and ``<seg000>`` .. ``<seg127>``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from transformers import (
+    Gemma2Config, GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration,
+    PaliGemmaProcessor, SiglipImageProcessor, SiglipVisionConfig,
+)
+
+from sgl_embeds.serve import build_once
+from sgl_embeds_testing.models import (
+    TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
+)
+
+PALIGEMMA_CACHE_VERSION = "v2"
+_FINAL_NORM = "language_model.model.norm.weight"
+IMAGE_SIZE, PATCH = 32, 8  # 16 rows an image
+ROWS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+# Gemma2's soft caps, lower than the real checkpoints' (50 and 30) so that they act on the tiny
+# model's numbers; the sliding window longer than any test prompt
+ATTN_SOFTCAP, FINAL_SOFTCAP, SLIDING_WINDOW = 20.0, 10.0, 256
+# generation -> (seed, language-model weight scale, projector weight scale): picked so that the
+# greedy answers are varied and change when the prompt is attended causally; the (tied) token
+# embeddings keep the default init (``EMBED_SCALE``), or the LM head repeats the last token
+_INIT = {1: (2, 8.0, 2.0), 2: (1, 8.0, 2.0)}
+EMBED_SCALE = 1.0
+# the final norm's gain (Gemma's RMSNorm multiplies by 1 + weight): logits of the tied LM head this
+# many times larger, the same greedy tokens with wider top-2 gaps (else logits stay under 1)
+LOGIT_SCALE = 8.0
+
+
+def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
+    """A tiny random-weight ``PaliGemmaForConditionalGeneration`` (float32) with its processor:
+    SigLIP tower (hidden 32, 2 layers, no head), the linear projector, a Gemma (``generation=1``)
+    or Gemma2 (``generation=2``: attention and final logit soft-capping, a sliding window on
+    every other layer) language model with tied embeddings. ``layout``: as
+    ``models.tiny_llava_dir``'s (``"saved"``: transformers' ``save_pretrained`` keys;
+    ``"model"``: ``model.language_model.*``, ``model.vision_tower.vision_model.*``, ...)."""
+    if generation not in _INIT:
+        raise ValueError(f"generation must be 1 or 2, got {generation!r}")
+    if layout not in ("saved", "model"):
+        raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
+
+    def build(tmp: Path) -> None:
+        tok = train_tokenizer(tmp / "tokenizer", extra_specials=("<image>",))
+        shutil.rmtree(tmp / "tokenizer")
+        tok.chat_template = None  # PaliGemma has none: its processor lays the prompt out
+        image_processor = SiglipImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
+            image_std=[0.5] * 3)
+        image_processor.image_seq_length = ROWS_PER_IMAGE
+        processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok)  # adds loc/seg
+        text = dict(vocab_size=len(tok), hidden_size=TINY_HIDDEN, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                    tie_word_embeddings=True)
+        if generation == 1:
+            text_config = GemmaConfig(**text)
+        else:
+            text_config = Gemma2Config(**text, query_pre_attn_scalar=16,
+                                       attn_logit_softcapping=ATTN_SOFTCAP,
+                                       final_logit_softcapping=FINAL_SOFTCAP,
+                                       sliding_window=SLIDING_WINDOW)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                    vision_use_head=False)
+        config = PaliGemmaConfig(
+            vision_config=vision.to_dict(), text_config=text_config.to_dict(),
+            image_token_index=processor.image_token_id, projection_dim=TINY_HIDDEN,
+            hidden_size=TINY_HIDDEN, vocab_size=len(tok))
+        save_scaled_vlm(PaliGemmaForConditionalGeneration, config, _INIT[generation], tmp,
+                        embed_scale=EMBED_SCALE)
+        weights = load_file(str(tmp / "model.safetensors"))
+        weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        processor.save_pretrained(tmp)
+        if layout == "model":
+            _rename_to_model_layout(tmp)
+
+    name = f"tiny-paligemma{generation}-{layout}-{PALIGEMMA_CACHE_VERSION}"
+    return build_once(cache_dir() / name, build)
