@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
+from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
     tiny_qwen3_vl_dir,
@@ -160,6 +161,12 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),
                                       env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
                                       extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
+        # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
+        # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
+        "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],
+                                    extra_args=["--enable-cache-report", "--chunked-prefill-size", "8"]),
+        "paligemma2": lambda: Server(tiny_paligemma_dir(2), via_serve=True, env=served["env"],
+                                     extra_args=["--enable-cache-report"]),
     }, max_running=MAX_RUNNING)
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
