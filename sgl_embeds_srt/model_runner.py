@@ -1,6 +1,7 @@
 """Model-runner hooks: grid spans' image items are embedded as they are, item by item, so the
 vision tower never runs on them (a batch that mixes them with raw images is served correctly); a
-config shim that SGLang's Qwen2-VL tower needs; and span rows reach a Gemma's first layer as sent.
+config shim that SGLang's Qwen2-VL tower needs; and what SGLang's Gemmas get wrong against HF
+(``MODEL_FIXES``: span rows scaled, Gemma's activation).
 """
 
 from __future__ import annotations
@@ -48,19 +49,25 @@ def qwen2_vision_init(original: Callable, self: Any, vision_config: Any, *args: 
     return original(self, vision_config, *args, **kwargs)
 
 
-# SGLang's models that multiply every input embedding by sqrt(hidden), span rows included, where
-# HF scales the looked-up text embeddings only (a span's rows are the layers' input, as HF's
-# ``inputs_embeds``): their first layer gets the span rows back as sent
-SCALED_INPUT_MODELS = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-
-
 def load_model(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``ModelRunner.load_model``: on a ``SCALED_INPUT_MODELS`` model, span rows
-    go to the first decoder layer unscaled (``_rows_as_sent``)."""
+    """AROUND hook of ``ModelRunner.load_model``: a model without ``get_input_embeddings``, which
+    SGLang's scatter of override rows calls (Gemma, Gemma 2: their first span request crashed the
+    scheduler), gets its ``model.embed_tokens``; then the model's ``MODEL_FIXES``."""
     result = original(self, *args, **kwargs)
-    if type(self.model).__name__ in SCALED_INPUT_MODELS:
-        self.model.model.layers[0].register_forward_pre_hook(_rows_as_sent)
+    model = self.model
+    embed_tokens = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not hasattr(model, "get_input_embeddings") and embed_tokens is not None:
+        model.get_input_embeddings = lambda: embed_tokens
+    for fix in MODEL_FIXES.get(type(model).__name__, ()):
+        fix(model)
     return result
+
+
+def rows_as_sent(model: Any) -> None:
+    """SGLang's Gemma and Gemma 2 multiply every input row by sqrt(hidden), span rows included,
+    where HF scales the looked-up text rows only (a span's rows are the layers' input, as HF's
+    ``inputs_embeds``): the first layer gets the span rows back as sent."""
+    model.model.layers[0].register_forward_pre_hook(_rows_as_sent)
 
 
 def _rows_as_sent(layer: Any, args: tuple) -> None:
@@ -69,3 +76,23 @@ def _rows_as_sent(layer: Any, args: tuple) -> None:
     hidden_states, forward_batch = args[1], args[2]
     if forward_batch.replace_positions is not None and forward_batch.replace_embeds is not None:
         hidden_states[forward_batch.replace_positions] = forward_batch.replace_embeds.to(hidden_states.dtype)
+
+
+# HF's Gemma MLP activation by the config's hidden_act, as SGLang's GeluAndMul names it
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}
+
+
+def gelu_as_configured(model: Any) -> None:
+    """SGLang's Gemma runs exact GeLU whatever the config says; HF runs ``config.hidden_act``
+    (PaliGemma's Gemma: ``gelu_pytorch_tanh``)."""
+    approximate = GELU_APPROXIMATIONS.get(getattr(model.config, "hidden_act", None))
+    if approximate is not None:
+        for layer in model.model.layers:
+            layer.mlp.act_fn.approximate = approximate
+
+
+# What SGLang's model classes get wrong against HF, by class name
+MODEL_FIXES: dict[str, tuple[Callable[[Any], None], ...]] = {
+    "GemmaForCausalLM": (rows_as_sent, gelu_as_configured),
+    "Gemma2ForCausalLM": (rows_as_sent,),
+}

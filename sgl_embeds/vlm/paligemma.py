@@ -120,7 +120,8 @@ def llm_config(text_config):
     """``text_config`` as a plain Gemma / Gemma2 causal LM's config that computes what HF's
     ``PaliGemmaForConditionalGeneration`` computes: ``PREFIX_LM_FIELDS`` dropped, and a Gemma2's
     ``final_logit_softcapping`` off (transformers 5.19's PaliGemma applies ``lm_head`` alone;
-    Gemma2ForCausalLM, HF's and SGLang's, would cap the logits). Its embeddings must be tied
+    Gemma2ForCausalLM, HF's and SGLang's, would cap the logits), its activation under both names
+    SGLang reads. Its embeddings must be tied
     (SGLang's gemma.py and gemma2.py always tie ``lm_head`` to ``embed_tokens``)."""
     if not text_config.tie_word_embeddings:
         raise ValueError("text_config.tie_word_embeddings is False: SGLang's Gemma models tie "
@@ -128,6 +129,10 @@ def llm_config(text_config):
     fields = {k: v for k, v in text_config.to_dict().items() if k not in PREFIX_LM_FIELDS}
     if "final_logit_softcapping" in fields:
         fields["final_logit_softcapping"] = None
+    if "hidden_activation" in fields and "hidden_act" not in fields:
+        # SGLang's gemma2.py reads both names (as the hub's Gemma 2 configs write them); the
+        # Gemma2Config of transformers 5 has only hidden_activation
+        fields["hidden_act"] = fields["hidden_activation"]
     return AutoConfig.for_model(**fields)
 
 
