@@ -33,12 +33,21 @@ def span_blocks(overrides: Any) -> list[Block]:
     return blocks
 
 
-@functools.cache
 def served_prefix_lm() -> bool:
-    """Whether this scheduler serves a prefix LM's LLM (``family.Family.prefix_lm``)."""
+    """Whether this scheduler serves a prefix LM's LLM (``family.Family.prefix_lm``); False in a
+    process without server arguments (a ``Req`` built outside a scheduler)."""
     from sglang.srt.runtime_context import get_server_args  # SGLang not ready at plugin load
 
-    family = split_family(get_server_args().model_path)
+    try:
+        model_path = get_server_args().model_path
+    except ValueError:  # "Global server args is not set yet!"
+        return False
+    return _is_prefix_lm(model_path)
+
+
+@functools.cache
+def _is_prefix_lm(model_path: str) -> bool:
+    family = split_family(model_path)
     return family is not None and family.prefix_lm
 
 

@@ -273,9 +273,8 @@ def assert_input_logprobs(out: dict, model_dir: str | Path, inputs_embeds: torch
     entries, n = out["meta_info"]["input_token_logprobs"], inputs_embeds.shape[0]
     assert len(entries) == n - logprob_start_len, (
         f"{context}{len(entries)} input logprobs from position {logprob_start_len} of {n}")
-    mask = block_mask(n, blocks) if blocks else None
-    logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0),
-                                             attention_mask=mask).logits[0]
+    masked = {"attention_mask": block_mask(n, blocks)} if blocks else {}
+    logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0), **masked).logits[0]
     distributions = logits.double().log_softmax(-1)
     table = hf_model(str(model_dir)).get_input_embeddings().weight.float()
     compared = 0

@@ -242,7 +242,7 @@ def test_input_logprobs_from_another_start_fail(tiny_lm):
 def scripted_hf(monkeypatch):
     """HF's greedy continuation by prompt: ``SPAN`` or ``OTHER`` rows as the whole prompt."""
     answers: dict[int, list[int]] = {}
-    monkeypatch.setattr(ref, "greedy_after", lambda _dir, rows, _n, prefix=(), dtype=None: Greedy(
+    monkeypatch.setattr(ref, "greedy_after", lambda _dir, rows, _n, prefix=(), dtype=None, blocks=(): Greedy(
         answers[int(rows[0, 0])][len(prefix):], [0] * 8, [CLEAR] * 8))
     monkeypatch.setattr(ref, "hf_model", lambda *_: SimpleNamespace(
         generation_config=SimpleNamespace(eos_token_id=None)))
