@@ -1,0 +1,89 @@
+"""A bidirectional span from the program to the scheduler's ranges, without a server: the DSL, the
+wire both ways, the ids ``build_ids`` gives it, and the 400s where a server cannot attend a block."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import sglang as sgl
+import torch
+
+from sgl_embeds import lang
+from sgl_embeds.writer import SpanWriter
+from sgl_embeds_protocol import segments as seg
+from sgl_embeds_srt.blocks import span_blocks
+from sgl_embeds_srt.parse import segments_from_wire
+from sgl_embeds_srt.prompts import ModelSpec, blocks_refused, build_ids
+from test_lang_compile import _run_fill_only
+
+ROWS = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_program_span_keeps_its_attention_on_the_wire_and_back():
+    @sgl.function
+    def prog(s):
+        s += "look " + sgl.embeds(ROWS, attention="bidirectional") + " then " + sgl.embeds(ROWS[:2])
+
+    segments = lang.program_segments(_run_fill_only(prog))
+    assert [s.bidirectional for s in segments if isinstance(s, seg.Span)] == [True, False]
+    wired = SpanWriter(8).fields("input_segments", [segments], batch=False)["input_segments"]
+    assert wired[1][seg.ATTENTION] == seg.BIDIRECTIONAL and seg.ATTENTION not in wired[3]
+    parsed = segments_from_wire(wired)
+    assert [s.bidirectional for s in parsed if isinstance(s, seg.Span)] == [True, False]
+
+
+@pytest.mark.parametrize("value", ["both", "Bidirectional", 1])
+def test_an_unknown_attention_is_refused_where_it_enters(value):
+    with pytest.raises(ValueError, match="attention must be 'causal' or 'bidirectional'"):
+        sgl.embeds(ROWS, attention=value)
+    with pytest.raises(ValueError, match="segment 0: attention must be"):
+        segments_from_wire([{"type": "embeds", "embeds": ROWS.tolist(), seg.ATTENTION: value}])
+
+
+def _spec(**kwargs) -> ModelSpec:
+    return ModelSpec(8, torch.float32, 100, 64, None, **kwargs)
+
+
+def _ids_and_rows(bidirectional: bool, spec: ModelSpec | None = None):
+    return build_ids([seg.Ids([1, 2]), seg.Span(ROWS, bidirectional=bidirectional), seg.Ids([3])], spec or _spec())
+
+
+def test_a_block_names_its_whole_span_in_its_first_id():
+    causal_ids, _ = _ids_and_rows(False)
+    block_ids, prompt_rows = _ids_and_rows(True)
+    assert block_ids[3:] == causal_ids[3:] and block_ids[:2] == causal_ids[:2] == [1, 2]
+    assert block_ids[2] != causal_ids[2], "the same rows sent causally must not share a block's cache"
+    other_ids, _ = build_ids([seg.Ids([1, 2]), seg.Span(torch.cat([ROWS, ROWS[:1]]), bidirectional=True)], _spec())
+    assert other_ids[2] != block_ids[2] and other_ids[3:7] == block_ids[3:7], "a longer block is another block"
+    assert span_blocks(prompt_rows) == [(2, 7)]
+
+
+@pytest.mark.parametrize("refused, max_block, message", [
+    ("a reason", None, "a bidirectional span cannot be served here: a reason"),
+    (None, 4, "a bidirectional span has 5 positions; a block is prefilled in one step, of at most 4"),
+])
+def test_a_block_the_server_cannot_attend_is_a_400(refused, max_block, message):
+    with pytest.raises(ValueError, match=f"segment 1: {message}"):
+        _ids_and_rows(True, _spec(blocks_refused=refused, max_block=max_block))
+    _ids_and_rows(False, _spec(blocks_refused=refused, max_block=max_block))  # causal spans pass
+
+
+def test_a_prefix_lm_prompt_is_one_block_under_the_same_limit():
+    build_ids([seg.Ids([1, 2, 3, 4])], _spec(prefix_lm=True, max_block=4))
+    with pytest.raises(ValueError, match="the prompt .* has 5 positions"):
+        build_ids([seg.Ids([1, 2, 3, 4, 5])], _spec(prefix_lm=True, max_block=4))
+
+
+def _args(backend: str, prefill: str | None = None):
+    return SimpleNamespace(attention_backend=backend, prefill_attention_backend=prefill)
+
+
+def test_where_blocks_are_refused_and_why():
+    plain = SimpleNamespace(linear_attn_registry_result=None)
+    assert blocks_refused(_args("torch_native"), plain, None) is None
+    assert "prefills with 'triton'" in blocks_refused(_args("triton"), plain, None)
+    assert "prefills with 'flashinfer'" in blocks_refused(_args("torch_native", "flashinfer"), plain, None)
+    assert "natively" in blocks_refused(_args("torch_native"), plain, object())
+    hybrid = SimpleNamespace(linear_attn_registry_result=object())
+    assert "linear-attention" in blocks_refused(_args("torch_native"), hybrid, None)
