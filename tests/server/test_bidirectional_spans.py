@@ -7,9 +7,11 @@ Each prompt's HF answer changes when the same rows are attended causally, so an 
 from __future__ import annotations
 
 import pytest
+import requests
 import torch
 
 from helpers import OUTPUT_LOGPROBS, body, error_message, generate, reference_embeds, seeded_rows, span, text
+from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_testing import reference as ref
 
@@ -121,3 +123,49 @@ def test_an_unknown_attention_is_a_400(llama_server, value):
     r = llama_server.generate(body(segments, 4))
     assert r.status_code == 400 and "attention must be 'causal' or 'bidirectional'" in error_message(r), r.text
     assert llama_server.generate(body(_segments(["the red fox", _rows(0, 4)]), 4)).status_code == 200
+
+
+def test_every_route_carries_a_block(llama_server, llama_dir):
+    """By handle, in a binary body and as an OpenAI chat part, a bidirectional span gives what the
+    inline one gives, which is HF's with the block (the chat part: its first tokens)."""
+    parts = PROMPTS["a block after text"]
+    inline = generate(llama_server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    _check(inline, llama_dir, parts, "inline: ")
+    up = requests.post(llama_server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(parts[1])}, timeout=60)
+    assert up.status_code == 200, up.text
+    handle_segments = _segments(parts)
+    handle_segments[1]["embeds"] = {"handle": up.json()["handle"]}
+    assert generate(llama_server, body(handle_segments, MAX_TOKENS))["output_ids"] == inline["output_ids"]
+    binary_segments = _segments(parts)
+    binary_segments[1]["embeds"] = parts[1]
+    raw, content_type = binary_body.encode_body(body(binary_segments, MAX_TOKENS))
+    r = requests.post(llama_server.url + "/generate", data=raw, headers={"Content-Type": content_type}, timeout=120)
+    assert r.status_code == 200 and r.json()["output_ids"] == inline["output_ids"], r.text
+    completion = requests.post(llama_server.url + "/v1/completions", json={
+        "model": "default", "max_tokens": MAX_TOKENS, "temperature": 0, "input_segments": _segments(parts)}, timeout=60)
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == inline["text"], completion.text
+
+    def chat_logprobs(attention: str) -> list[float]:
+        part = {"type": "input_embeds", "input_embeds": wire.encode_tensor(parts[1]), seg.ATTENTION: attention}
+        r = requests.post(llama_server.url + "/v1/chat/completions", json={
+            "model": "default", "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": parts[0]}, part]}]}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [e["logprob"] for e in r.json()["choices"][0]["logprobs"]["content"]]
+
+    both_ways, causal = chat_logprobs(seg.BIDIRECTIONAL), chat_logprobs(seg.CAUSAL)
+    assert abs(both_ways[0] - causal[0]) > 1e-3, "a chat part's attention must reach the extend step"
+
+
+def test_a_vlm_served_natively_refuses_a_block_and_keeps_serving(qwen_vl_spans_server):
+    """A Qwen-VL attends its image rows as its own model does: a bidirectional image span is a
+    400 saying so, and the same span sent causally is served."""
+    from qwen_vl_harness import grid_span, span_segments
+    from sgl_embeds_testing.encoders import synthetic_scene
+    from sgl_embeds_testing.qwen_vl import IMAGE_PLACEHOLDER, tiny_qwen2_5_vl_dir
+
+    span_dict, text = grid_span(tiny_qwen2_5_vl_dir(), synthetic_scene()), f"{IMAGE_PLACEHOLDER} what is it"
+    segments = span_segments(text, [{**span_dict, seg.ATTENTION: seg.BIDIRECTIONAL}])
+    r = qwen_vl_spans_server.generate(body(segments, 4))
+    assert r.status_code == 400 and "served natively attends its image rows" in error_message(r), r.text
+    assert qwen_vl_spans_server.generate(body(span_segments(text, [span_dict]), 4)).status_code == 200
