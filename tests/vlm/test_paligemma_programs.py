@@ -1,9 +1,9 @@
 """programs/detect.py and programs/segment.py on the pool's tiny PaliGemma 1 and 2 servers
 (``serve``, split): the answers, held to their regexes by SGLang's grammar backend, parse into boxes
 inside the image and mask codes, and their tokens equal HF ``PaliGemmaForConditionalGeneration``'s
-greedy tokens under the same constraint (HF's ``generate`` with ``prefix_allowed_tokens_fn``
-allowing the tokens that keep the answer a prefix of a match, and the end token only after a full
-match). Then the first detected box asked about with ``sgl.region`` equals HF on the crop.
+greedy tokens under the same constraint (``sgl_embeds_testing.constrained``: HF's ``generate``
+held at each step to the tokens that keep the answer a prefix of a match, and to the end token
+only after a full match). Then the first detected box asked about with ``sgl.region`` equals HF on the crop.
 
 The tiny models are random: their labels and boxes mean nothing; what is checked is that the
 same constrained decoding and the same region pixels give the same tokens.
@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-import regex
 import sglang as sgl
-import torch
 from PIL import Image
 
 import helpers
@@ -26,6 +24,7 @@ from programs.segment import parse_segmentations, segment, segment_prompt, segme
 from sgl_embeds.vlm.paligemma import prompt_text
 from sgl_embeds.vlm.prompt import image_prompt
 from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.constrained import paligemma_constrained
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 
@@ -47,41 +46,6 @@ def _images() -> list[Image.Image]:
     return [synthetic_scene(), helpers.random_image(40, 90, seed=5)]
 
 
-@torch.no_grad()
-def hf_constrained(checkpoint, prompt: str, image: Image.Image, pattern: str, max_new_tokens: int,
-                   prefix: list[int] = ()) -> ref.Greedy:
-    """HF's greedy answer to ``prompt`` about ``image`` after ``prefix``, each step's choice
-    limited to the tokens whose text keeps the answer a prefix of a ``pattern`` match, and the
-    end token to a full match (the scores, gaps and runner-ups are those of the allowed tokens)."""
-    model, processor = ref.hf_paligemma(str(checkpoint))
-    tok = processor.tokenizer
-    pieces = [tok.decode([t]) for t in range(len(tok))]
-    compiled, eos = regex.compile(pattern), ref.eos_ids(model)
-    inputs = ref.paligemma_inputs(checkpoint, prompt, [image])
-    inputs.pop("labels", None)
-    start = inputs["input_ids"].shape[1]
-    if prefix:
-        extra = torch.tensor([list(prefix)])
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.ones_like(extra)], dim=1)
-
-    def allowed(_batch: int, ids: torch.Tensor) -> list[int]:
-        text = tok.decode(ids[start:].tolist())
-        out = [t for t, piece in enumerate(pieces) if t not in eos and piece
-               and compiled.fullmatch(text + piece, partial=True)]
-        return out + sorted(eos) * bool(compiled.fullmatch(text))
-
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
-                         prefix_allowed_tokens_fn=allowed, output_scores=True,
-                         return_dict_in_generate=True,
-                         pad_token_id=model.config.text_config.pad_token_id)
-    tokens = out.sequences[0, -len(out.scores):].tolist()
-    top2 = [s[0].topk(2) for s in out.scores]
-    return ref.Greedy(tokens, [int(t.indices[1]) for t in top2],
-                      [float(t.values[0] - t.values[1]) for t in top2])
-
-
 def _run_program(backend, program, pattern: str, **arguments) -> dict:
     """The program's answer, checked equal to its compiled segments sent by ``EmbedsEndpoint.run``
     with the same regex, whose output (with ids) is returned."""
@@ -96,7 +60,7 @@ def _run_program(backend, program, pattern: str, **arguments) -> dict:
 def _check_like_hf(out: dict, generation: int, prompt: str, image, pattern: str, context: str):
     checkpoint = tiny_paligemma_dir(generation)
     model, _ = ref.hf_paligemma(str(checkpoint))
-    theirs = lambda prefix=(): hf_constrained(checkpoint, prompt, image, pattern, MAX_TOKENS, prefix)
+    theirs = lambda prefix=(): paligemma_constrained(checkpoint, prompt, image, pattern, MAX_TOKENS, prefix)
     forgiven = ref.check_greedy(out["output_ids"], theirs, context, eos_ids=ref.eos_ids(model))
     print(f"{context}{len(out['output_ids'])} constrained tokens equal HF's ({forgiven} near-tie(s) "
           f"forgiven): {out['text']!r}")
