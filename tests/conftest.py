@@ -161,6 +161,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),
                                       env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
                                       extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
+        # a Gemma 3 LLM: sliding-window layers (a window of 8) beside full ones, 16-position chunks
+        # (tests/server/test_bidirectional_spans.py)
+        "gemma3": lambda: Server(tiny_model_dir("gemma3"), extra_args=["--enable-cache-report",
+                                                                       "--chunked-prefill-size", "16"]),
         # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
         # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
         "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],

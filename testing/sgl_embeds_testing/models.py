@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    AutoModelForCausalLM, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+    AutoModelForCausalLM, CLIPImageProcessor, CLIPVisionConfig, Gemma3TextConfig, LlamaConfig, LlavaConfig,
     LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast, Qwen2Config,
 )
 
@@ -82,7 +82,14 @@ def _tiny_config(arch: str, vocab: int, hidden_size: int = TINY_HIDDEN):
         return LlamaConfig(**common, head_dim=16)
     if arch == "qwen2":
         return Qwen2Config(**common)
-    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llama' or 'qwen2'")
+    if arch == "gemma3":  # sliding-window and full layers; a window shorter than the test prompts
+        return Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=GEMMA3_WINDOW,
+                                layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                                hidden_activation="gelu_pytorch_tanh")
+    raise ValueError(f"unknown tiny architecture {arch!r}: use 'llama', 'qwen2' or 'gemma3'")
+
+
+GEMMA3_WINDOW = 8  # the tiny Gemma 3's sliding window
 
 
 def tiny_model_dir(arch: str = "llama") -> Path:

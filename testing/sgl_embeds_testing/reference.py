@@ -87,12 +87,25 @@ def greedy_after(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new_tok
     return _greedy_from_scores(out.sequences, out.scores)
 
 
-def block_mask(n: int, blocks: Collection[tuple[int, int]]) -> torch.Tensor:
-    """``[1, 1, n, n]`` bool (True: attends): causal, each block's positions seeing the block."""
+def block_mask(n: int, blocks: Collection[tuple[int, int]], window: int | None = None) -> torch.Tensor:
+    """``[1, 1, n, n]`` bool (True: attends): causal (within HF's sliding ``window``: ``q - k <
+    window``), then each block's positions seeing the whole block."""
     allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= ~torch.ones(n, n, dtype=torch.bool).tril(-window)
     for start, end in blocks:
         allowed[start:end, start:end] = True
     return allowed[None, None]
+
+
+def block_masks(model, n: int, blocks: Collection[tuple[int, int]]) -> torch.Tensor | dict:
+    """The 4-D mask ``model`` takes for a prompt of ``n`` with ``blocks``: per layer type where
+    it has sliding-window layers (each window with the blocks over it, HF's order)."""
+    config = model.config
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return block_mask(n, blocks)
+    return {"full_attention": block_mask(n, blocks),
+            "sliding_attention": block_mask(n, blocks, config.sliding_window)}
 
 
 @torch.no_grad()
@@ -103,7 +116,7 @@ def greedy_with_blocks(model_dir: str | Path, inputs_embeds: torch.Tensor, max_n
     float32; the tokens ``prefix`` are forced first."""
     model = hf_model(str(model_dir))
     eos = eos_ids(model)
-    out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=block_mask(inputs_embeds.shape[0], blocks),
+    out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=block_masks(model, inputs_embeds.shape[0], blocks),
                 use_cache=True)
     tokens, scores = [], []
     for step in range(max_new_tokens):
@@ -273,7 +286,7 @@ def assert_input_logprobs(out: dict, model_dir: str | Path, inputs_embeds: torch
     entries, n = out["meta_info"]["input_token_logprobs"], inputs_embeds.shape[0]
     assert len(entries) == n - logprob_start_len, (
         f"{context}{len(entries)} input logprobs from position {logprob_start_len} of {n}")
-    masked = {"attention_mask": block_mask(n, blocks)} if blocks else {}
+    masked = {"attention_mask": block_masks(hf_model(str(model_dir), dtype), n, blocks)} if blocks else {}
     logits = hf_model(str(model_dir), dtype)(inputs_embeds=inputs_embeds.to(dtype).unsqueeze(0), **masked).logits[0]
     distributions = logits.double().log_softmax(-1)
     table = hf_model(str(model_dir)).get_input_embeddings().weight.float()

@@ -64,6 +64,25 @@ def test_bidirectional_spans_match_hf_with_the_same_mask(llama_server, llama_dir
     _check(out, llama_dir, parts, f"{name}: ")
 
 
+@pytest.mark.pooled("gemma3")
+@pytest.mark.parametrize("seed", [1, 5])
+def test_a_gemma3_with_sliding_window_layers_matches_hf(servers, seed):
+    """Gemma 3's local layers see a window of 8 positions, shorter than the prompt, with the
+    block over the window (HF's order); 16-position chunks would cut the block. HF's answer
+    changes without the window, so a window the mask dropped would fail."""
+    server = servers.get("gemma3")[0]
+    parts = ["the red fox near", seeded_rows(seed, 12, scale=0.5), " the blue house and the sky"]
+    out = generate(server, body(_segments(parts), MAX_TOKENS, **OUTPUT_LOGPROBS))
+    _check(out, server.model_dir, parts, f"Gemma 3, seed {seed}: ")
+    model, embeds, blocks = ref.hf_model(str(server.model_dir)), reference_embeds(server.model_dir, parts), _blocks(server.model_dir, parts)
+    no_window = ref.block_mask(embeds.shape[0], blocks)
+    with torch.no_grad():
+        windowed = model(inputs_embeds=embeds[None], attention_mask=ref.block_masks(model, embeds.shape[0], blocks)).logits[0, -1]
+        unwindowed = model(inputs_embeds=embeds[None], attention_mask={"full_attention": no_window,
+                                                                        "sliding_attention": no_window}).logits[0, -1]
+    assert (windowed.log_softmax(-1) - unwindowed.log_softmax(-1)).abs().max() > 1e-2, "the window must matter"
+
+
 def test_input_logprobs_see_the_block(llama_server, llama_dir):
     """The prompt's own logprobs (every position recomputed) come from the masked forward too."""
     parts = PROMPTS["a block after text"]
