@@ -63,6 +63,7 @@ def test_generate_forms_through_the_gateway_equal_direct(gateway):
         "segments + routing hint": body(segments, 8, text=hint),
         "segments as JSON lists": body([text("Look at"), span(a, "json"), text(" then")], 8),
         "batch of segment lists": body([segments, [span(b), text(" and")]], 6),
+        "a bidirectional span": body([text("Look at"), {**span(a * 10), "attention": "bidirectional"}, text(" then")], 8),
         "full-prompt input_embeds": {"input_embeds": wire.encode_tensor(a), "sampling_params": {**GREEDY, "max_new_tokens": 8}},
         "full-prompt batch": {"input_embeds": [wire.encode_tensor(a), wire.encode_tensor(b)],
                               "sampling_params": {**GREEDY, "max_new_tokens": 6}},
@@ -70,6 +71,13 @@ def test_generate_forms_through_the_gateway_equal_direct(gateway):
     for name, payload in forms.items():
         through, alone = _ok(gateway.url, payload), _ok(direct, payload)
         assert _ids(through) == _ids(alone), name
+    # the block reaches the worker's extend step through the gateway: attended causally, the same
+    # rows give another answer
+    def first_logprob(attention: str) -> float:
+        payload = body([text("Look at"), {**span(a * 10), "attention": attention}, text(" then")], 1, return_logprob=True)
+        return _ok(gateway.url, payload)["meta_info"]["output_token_logprobs"][0][0]
+
+    assert abs(first_logprob("bidirectional") - first_logprob("causal")) > 1e-3
     # the outputs depend on the span (not a degenerate model): another span, other ids
     assert _ids(_ok(gateway.url, body([text("Look at"), span(b), text(" then")], 8))) != _ids(_ok(direct, forms["segments"]))
 
