@@ -6,6 +6,8 @@ Each prompt's HF answer changes when the same rows are attended causally, so an 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import requests
 import torch
@@ -188,3 +190,21 @@ def test_a_vlm_served_natively_refuses_a_block_and_keeps_serving(qwen_vl_spans_s
     r = qwen_vl_spans_server.generate(body(segments, 4))
     assert r.status_code == 400 and "served natively attends its image rows" in error_message(r), r.text
     assert qwen_vl_spans_server.generate(body(span_segments(text, [span_dict]), 4)).status_code == 200
+
+
+def test_retraction_keeps_blocks_exact(llama_server, constrained_server):
+    """8 concurrent block prompts of ~34 positions + 40 new tokens overflow the constrained
+    server's 256 KV slots: requests are retracted and prefilled again (their blocks cut by
+    16-position chunks, a hit inside a block from the same block), and every answer equals the
+    one the roomy server gives alone."""
+    retracted, attempts = 0, 0
+    while retracted == 0 and attempts < 4:
+        prompts = [_segments(["one two", _rows(600 + 10 * attempts + i, 30), " three"]) for i in range(8)]
+        want = [generate(llama_server, body(p, 40))["output_ids"] for p in prompts]
+        requests.post(constrained_server.url + "/flush_cache", timeout=60)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: generate(constrained_server, body(p, 40)), prompts))
+        assert [g["output_ids"] for g in got] == want
+        retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
+        attempts += 1
+    assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
