@@ -112,7 +112,8 @@ def to_pixels(locs: Sequence[int], width: int, height: int) -> Box:
 def to_locs(box: Sequence[int], width: int, height: int) -> tuple[int, int, int, int]:
     """The bins (y_min, x_min, y_max, x_max) of a pixel box ``(x0, y0, x1, y1)``: the first bin
     at or past each min edge, the last bin at or before each max edge (at most 1023), so that
-    ``to_pixels`` gives the box back exactly on images of at most 1024 pixels a side."""
+    ``to_pixels`` gives the box back exactly on images under 1024 pixels a side (a bin finer
+    than a pixel; on larger ones, to within a bin)."""
     x0, y0, x1, y1 = box
     if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
         raise ValueError(f"box {tuple(box)} is not (x0, y0, x1, y1) with an area inside a "

@@ -26,7 +26,7 @@ labels = st.sampled_from(["cat", "dog", "red car", "person"])
 
 
 @st.composite
-def image_and_box(draw, max_side: int = 1024):
+def image_and_box(draw, max_side: int = 1023):
     width, height = draw(st.integers(1, max_side)), draw(st.integers(1, max_side))
     x0, y0 = draw(st.integers(0, width - 1)), draw(st.integers(0, height - 1))
     return width, height, (x0, y0, draw(st.integers(x0 + 1, width)), draw(st.integers(y0 + 1, height)))
