@@ -28,7 +28,7 @@ from sgl_embeds_testing.models import (
     TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
 )
 
-GEMMA3_CACHE_VERSION = "v1"
+GEMMA3_CACHE_VERSION = "v3"
 IMAGE_SIZE, PATCH = 32, 8  # 4x4 patches
 ROWS_PER_IMAGE = 4  # mm_tokens_per_image: the patches pooled 2x2
 SLIDING_WINDOW = 8  # shorter than every test prompt; not shorter than an image's rows
@@ -58,7 +58,7 @@ CHAT_TEMPLATE = (
 # (seed, language-model weight scale, projector weight scale): picked so that the greedy answers
 # are varied and change when the images are attended causally; the (tied) token embeddings keep
 # the default init (``EMBED_SCALE``), as PaliGemma's tiny model does
-_INIT = (3, 8.0, 2.0)
+_INIT = (4, 8.0, 2.0)
 EMBED_SCALE = 1.0
 PROJECTION_STD = 0.5  # the projector's matrix (zero at init): rows of about the text rows' size
 LOGIT_SCALE = 8.0  # the final norm's gain (1 + weight): wider top-2 gaps (paligemma.py)
