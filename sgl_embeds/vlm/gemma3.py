@@ -1,12 +1,10 @@
 """The vision half of a Gemma 3 checkpoint and its prompt rule.
 
 ``Gemma3Encoder(DST/vision)`` (also ``load_encoder``): an image's rows as transformers 5.19's
-``Gemma3Model.get_image_features(...).pooler_output`` (SigLIP's image processor and tower, the last
-hidden state average-pooled to ``mm_tokens_per_image`` rows, RMS-normed and projected; not scaled:
-Gemma 3's embedding layer scales only the text rows). The prompt as ``Gemma3Processor`` expands it:
-each ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``, the image's rows, ``"<end_of_image>
-\\n\\n"``; the rows are one span the LLM attends as one bidirectional block, the text around it
-causally (``Family.image_block``; docs/vision-encoders.md, section 8).
+``get_image_features(...).pooler_output`` (SigLIP tower, average pooling to
+``mm_tokens_per_image`` rows, RMS norm, projection; not scaled). The prompt as ``Gemma3Processor``
+expands it: each ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``, the rows as one
+bidirectional span, ``"<end_of_image>\\n\\n"`` (docs/vision-encoders.md, section 8).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Tiny random-weight Gemma 3 checkpoints (``Gemma3ForConditionalGeneration``) as transformers
-saves them, with their ``Gemma3Processor`` and a Gemma-3-style chat template.
+"""Tiny random-weight Gemma 3 checkpoints (``Gemma3ForConditionalGeneration``, float32) as
+transformers saves them, with their ``Gemma3Processor`` and a Gemma-3-style chat template.
 
-Built once into ``models.py``'s cache with fixed seeds. The SigLIP tower takes 32 px images in
-8x8 patches, pooled 2x2 to ``ROWS_PER_IMAGE`` = 4 rows an image, in front of a tiny Gemma 3 text
-model (hidden 64, 4 layers: sliding, sliding, full, sliding) whose sliding window (8) is shorter
-than any test prompt, so the local layers drop what the global ones see. The LM and projector are
-scaled up from the default init (the projector's matrix starts at zero) so that the image, and
-the mask an image is attended with, change HF's greedy answer. The tokenizer has Gemma 3's
-``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``, ``<start_of_turn>`` and
-``<end_of_turn>``.
+Built once into ``models.py``'s cache with fixed seeds: a SigLIP tower on 32 px images (4x4
+patches pooled to 4 rows an image), a Gemma 3 text model (hidden 64; sliding, sliding, full,
+sliding layers; sliding window 8, shorter than every test prompt), scaled up from the default init
+so that the image blocks change HF's answers. The tokenizer has Gemma 3's image and turn tokens.
 """
 
 from __future__ import annotations
