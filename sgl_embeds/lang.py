@@ -24,6 +24,7 @@ from sglang.lang.api import image as _stock_image
 from sgl_embeds import vision
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.family import family_of
 
 
 class SglSpan(SglExpr):
@@ -182,16 +183,25 @@ def add_span(executor: Any, span: seg.Span) -> None:
     executor._execute_fill(seg.marker(index))
 
 
+def image_block(encoder: Callable) -> bool:
+    """Whether the rows ``encoder`` gives for an image are one bidirectional block: its family's
+    ``Family.image_block`` (Gemma 3); False for an encoder that names no known ``family``."""
+    family = family_of(getattr(encoder, "family", None))  # optional (vision.VisionEncoder)
+    return family is not None and family.image_block
+
+
 def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = None) -> None:
     """A span of the encoder's rows of an image or a region, with the grid when the encoder gives
-    one, through the backend's ``encoder_cache`` if it has one."""
+    one, attended as one block where its family's are (``image_block``), through the backend's
+    ``encoder_cache`` if it has one."""
     image = vision.load_image(image)
     cache = getattr(executor.backend, "encoder_cache", None)
     if cache is not None:
         encoded = cache.encode(encoder, image, region)
     else:
         encoded = vision.encode_region(image, region, encoder)
-    add_span(executor, seg.Span(encoded.rows, grid=encoded.grid))
+    add_span(executor, seg.Span(encoded.rows, grid=encoded.grid,
+                                bidirectional=image_block(encoder)))
 
 
 def _execute_region(executor: Any, expr: SglRegion) -> None:

@@ -47,7 +47,9 @@ class VisionRows:
 
 class VisionEncoder(Protocol):
     """Optional attributes: ``identity`` (names weights and settings, for ``EncoderCache``),
-    ``mean_color`` (fills the outside of a mask) and ``merge_size`` (checks rows against a grid)."""
+    ``mean_color`` (fills the outside of a mask), ``merge_size`` (checks rows against a grid) and
+    ``family`` (the VLM family it is the vision half of: ``connect`` checks it, and an image span of
+    a family with ``Family.image_block`` is one bidirectional block)."""
 
     def __call__(self, image: Image.Image) -> torch.Tensor | VisionRows:  # rows: [n, hidden]
         ...

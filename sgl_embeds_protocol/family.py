@@ -26,6 +26,7 @@ REFUSED = "refused"  # known, and refused by name (``Family.refused`` says why)
 # A split family's projector (``Family.projector``)
 MLP = "mlp"  # LLaVA's linear_1 -> act -> linear_2 over the tower's selected feature layers
 LINEAR = "linear"  # PaliGemma's one linear layer over the tower's last hidden state
+POOLED = "pooled"  # Gemma 3's average pooling to a fixed row count, RMS norm, one matrix
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ class Family:
     # its LLM attends the whole prompt both ways (a prefix LM, PaliGemma): each request's prompt is
     # one bidirectional block; generated tokens attend causally
     prefix_lm: bool = False
-    projector: str = MLP  # a split family's: MLP or LINEAR
+    # each image's span is one bidirectional block (Gemma 3): its rows attend each other both
+    # ways, the text around them causally; the client's image spans carry it
+    image_block: bool = False
+    projector: str = MLP  # a split family's: MLP, LINEAR or POOLED
 
     def __post_init__(self) -> None:
         if self.served_as not in (SPLIT, NATIVE, REFUSED):
@@ -61,7 +65,7 @@ class Family:
             raise ValueError(f"{self.name}: a refused family says why, and only it")
         if self.clip_time not in (None, SECONDS_PER_STEP, TIMESTAMPS):
             raise ValueError(f"{self.name}: clip_time {self.clip_time!r}")
-        if self.projector not in (MLP, LINEAR):
+        if self.projector not in (MLP, LINEAR, POOLED):
             raise ValueError(f"{self.name}: projector {self.projector!r}")
 
 
@@ -75,6 +79,8 @@ FAMILIES = (
            tiling="anyres_max"),
     Family("paligemma", "PaliGemma", "PaliGemmaForConditionalGeneration", SPLIT, prefix_lm=True,
            projector=LINEAR),
+    Family("gemma3", "Gemma 3", "Gemma3ForConditionalGeneration", SPLIT, image_block=True,
+           projector=POOLED),
     Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
     Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
            clip_time=SECONDS_PER_STEP),

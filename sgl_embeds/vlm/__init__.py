@@ -1,7 +1,7 @@
 """Serve a VLM's language model with SGLang and run its vision half here, on the client.
 
-A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma) is split: ``python -m
-sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
+A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, Gemma 3) is split:
+``python -m sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
 ``DST/vision``. A native family's checkpoint (Qwen-VL) is served whole and is its own vision half.
 ``load_encoder`` takes either and gives the ``VisionEncoder`` for ``EmbedsEndpoint(
 vision_encoder=...)``. A family's code (its transformers classes among it) is imported when that
@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_embeds.vlm.files import ANYRES_FORMAT, CONFIG_NAME, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type
+from sgl_embeds.vlm.files import (
+    ANYRES_FORMAT, CONFIG_NAME, GEMMA3_FORMAT, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type,
+)
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
 
@@ -46,19 +48,26 @@ def _paligemma(path: Path, device: str | torch.device | None) -> Any:
     return PaliGemmaEncoder(path, device=device)
 
 
+def _gemma3(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.gemma3 import Gemma3Encoder  # lazy: the module docstring
+
+    return Gemma3Encoder(path, device=device)
+
+
 # The encoder of each natively served family (a checkpoint folder is its vision half)
 NATIVE_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
     family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
 # The encoder of a split family's vision/ folder, by the format its settings name
 SPLIT_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
-    LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma}
+    LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma,
+    GEMMA3_FORMAT: _gemma3}
 
 
 def load_encoder(path: str | Path, device: str | torch.device | None = None) -> Any:
     """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
     (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
-    LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma)."""
+    LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma, ``Gemma3Encoder`` for Gemma 3)."""
     path = Path(path)
     found = model_type(path)
     if found in NATIVE_ENCODERS:

@@ -1,11 +1,11 @@
-"""Split an HF LLaVA or PaliGemma checkpoint into an LLM that SGLang serves and a vision half that
-we run.
+"""Split an HF LLaVA, PaliGemma or Gemma 3 checkpoint into an LLM that SGLang serves and a vision
+half that we run.
 
-``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision or PaliGemma directory as transformers
-writes it (safetensors, both key layouts) and writes ``DST/llm/`` (an ordinary causal LM and the
-family file) and ``DST/vision/`` (tower and projector weights, settings, chat template). Anything
+``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma or Gemma 3 directory
+as transformers writes it (safetensors, both key layouts) and writes ``DST/llm/`` (an ordinary
+causal LM and the family file) and ``DST/vision/`` (tower and projector weights, settings, chat template). Anything
 it cannot carry over exactly is a ``ValueError`` naming the key or field; a ``.bin`` checkpoint is
-refused, never unpickled (docs/vision-encoders.md, sections 1 and 6).
+refused, never unpickled (docs/vision-encoders.md, sections 1, 6, 7 and 8).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from sgl_embeds.vlm import paligemma
+from sgl_embeds.vlm import gemma3, paligemma
 from sgl_embeds.vlm.anyres import checkpoint_settings
 from sgl_embeds.vlm.pixels import ImageProcessing
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
 from sgl_embeds_protocol.family import (
-    FAMILY_FILE, FAMILIES, LINEAR, SPLIT, Family, family_file, family_of,
+    FAMILY_FILE, FAMILIES, LINEAR, MLP, POOLED, SPLIT, Family, family_file, family_of,
 )
 
 SHARD_BYTES = 4 << 30
@@ -42,7 +42,7 @@ _LLM_FILES = ("generation_config.json",)
 
 def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
           progress: bool = False) -> tuple[Path, Path]:
-    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA / PaliGemma checkpoint ``src``; returns
+    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA / PaliGemma / Gemma 3 checkpoint ``src``; returns
     both paths.
     ``progress``: a progress bar over the language model's tensors (the bulk of the bytes)."""
     src, dst = Path(src), Path(dst)
@@ -56,7 +56,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
                          f"{', '.join(repr(f.name) for f in splittable)} checkpoints "
                          f"({', '.join(f.hf_class for f in splittable)}) can be split")
     vision_type = raw.get("vision_config", {}).get("model_type")
-    if family.projector != LINEAR and family.tiling is None and vision_type != "clip_vision_model":
+    if family.projector == MLP and family.tiling is None and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
                          "(clip_vision_model) map onto open_clip")
     try:
@@ -66,6 +66,8 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     text_config = config.text_config
     if family.projector == LINEAR:  # PaliGemma: a plain Gemma / Gemma2 of its text config
         text_config = paligemma.llm_config(text_config)
+    elif family.projector == POOLED:  # Gemma 3: a Gemma3ForCausalLM of its text config
+        text_config = gemma3.llm_config(text_config)
     arch = _causal_lm_architecture(text_config)
     log(f"[split] {src}: {family.hf_class} with a {vision_type} tower and a {arch} language model")
 
@@ -73,6 +75,8 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     parts = _partition(weights, family)
     if family.projector == LINEAR:  # PaliGemma: transformers' SigLIP tower, one linear layer
         vision, image_processor = paligemma.checkpoint_settings(src, config, parts.projector)
+    elif family.projector == POOLED:  # Gemma 3: transformers' SigLIP tower and projector
+        vision, image_processor = gemma3.checkpoint_settings(src, config, parts.projector)
     elif family.tiling is None:  # LLaVA-1.5: an open_clip tower, one square image
         vision = _vision_config(src, config, parts.projector)
         image_processor = None
@@ -89,7 +93,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     llm_keys = _untied(parts.llm, tensors, text_config)
     _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
     tower = {k: tensors[full] for k, full in parts.tower.items()}
-    if family.tiling is None and family.projector != LINEAR:
+    if family.tiling is None and family.projector == MLP:
         tower = clip_to_open_clip(tower, vision.tower.layers)
     state = {f"tower.{k}": v.contiguous() for k, v in tower.items()}
     state.update({f"projector.{k}": tensors[full].contiguous() for k, full in parts.projector.items()})
@@ -101,7 +105,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     (llm_dir / FAMILY_FILE).write_text(family_file(family.name, "../vision", vision.image_token))
-    if family.projector == LINEAR:
+    if family.projector != MLP:  # PaliGemma, Gemma 3: one square image
         image_processor.save_pretrained(vision_dir)  # preprocessor_config.json
         size = vision.vision_config["image_size"]
         log(f"[split] vision: {vision_type} tower, {size}x{size} px, {vision.rows_per_image} "

@@ -11,6 +11,7 @@ WEIGHTS_NAME = "model.safetensors"  # tower, projector (and image_newline)
 LLAVA_FORMAT = "sgl_embeds.llava_vision/1"  # LLaVA-1.5: tower.VisionConfig
 ANYRES_FORMAT = "sgl_embeds.llava_anyres_vision/1"  # LLaVA-NeXT / OneVision: anyres.AnyresConfig
 PALIGEMMA_FORMAT = "sgl_embeds.paligemma_vision/1"  # PaliGemma 1 and 2: paligemma.PaliGemmaVision
+GEMMA3_FORMAT = "sgl_embeds.gemma3_vision/1"  # Gemma 3: gemma3.Gemma3Vision
 
 
 def model_type(path: str | Path) -> str | None:

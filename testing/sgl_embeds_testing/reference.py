@@ -498,3 +498,82 @@ def prefix_lm_greedy(model_dir: str | Path, inputs_embeds: torch.Tensor, max_new
     if not scores:
         return Greedy([], [], [])
     return _greedy_from_scores(torch.tensor([tokens]), tuple(scores))
+
+
+# -- HF Gemma 3 as the reference for image blocks ----------------------------------------------
+# Gemma 3 attends each image's soft-token rows as one bidirectional block (token_type_ids 1 at
+# them, as its processor gives them) and everything else causally, its sliding layers within
+# their window as well. Eager attention, as for PaliGemma.
+
+
+@lru_cache(maxsize=4)
+def hf_gemma3(checkpoint: str):
+    """HF's ``Gemma3ForConditionalGeneration`` (float32, eager attention) and processor."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def gemma3_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
+    """What HF's processor builds for ``text`` (a ``<start_of_image>`` where each image goes):
+    each expanded to ``"\\n\\n<start_of_image>"``, the soft tokens, ``"<end_of_image>\\n\\n"``;
+    ``token_type_ids`` 1 at the soft tokens. A ``text`` that starts with the bos (a rendered chat)
+    is tokenized without special tokens, as ``apply_chat_template`` tokenizes it."""
+    _, processor = hf_gemma3(str(checkpoint))
+    specials = not text.startswith(processor.tokenizer.bos_token)
+    return dict(processor(images=images or None, text=text, add_special_tokens=specials,
+                          return_tensors="pt"))
+
+
+@torch.no_grad()
+def gemma3_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
+                  prefix: list[int] = (), causal_images: bool = False) -> Greedy:
+    """HF ``generate`` of the checkpoint's Gemma 3 (float32, greedy) after ``text`` about
+    ``images`` (``gemma3_inputs``) and then ``prefix`` (tokens generated before).
+    ``causal_images=True``: the images attended causally too (no token_type_ids)."""
+    if len(prefix) >= max_new_tokens:
+        return Greedy([], [], [])
+    model, _ = hf_gemma3(str(checkpoint))
+    inputs = gemma3_inputs(checkpoint, text, images)
+    if prefix:
+        extra = torch.tensor([list(prefix)])
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(extra)], dim=1)
+    if causal_images:
+        del inputs["token_type_ids"]
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=model.config.text_config.pad_token_id)
+    return _greedy_from_scores(out.sequences, out.scores)
+
+
+def sliding_block_masks(n: int, blocks: Collection[tuple[int, int]],
+                        sliding_window: int) -> dict[str, torch.Tensor]:
+    """The ``[1, 1, n, n]`` additive masks of a Gemma 3 text model's two layer types as HF builds
+    them for image blocks: full layers causal or within a block; sliding layers that and within
+    the window (``kv > q - sliding_window``)."""
+    allowed = block_mask(n, blocks)[0, 0]
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None]
+    windowed = allowed & (kv > q - sliding_window)
+    neg = torch.finfo(torch.float32).min
+
+    def additive(a: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, n).masked_fill(~a, neg)[None, None]
+
+    return {"full_attention": additive(allowed), "sliding_attention": additive(windowed)}
+
+
+@torch.no_grad()
+def sliding_block_logits(model_dir: str | Path, inputs_embeds: torch.Tensor,
+                         blocks: Collection[tuple[int, int]],
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """``[n, vocab]`` logits of the causal LM at ``model_dir`` (a split Gemma 3's ``llm/``, eager)
+    over ``inputs_embeds`` (the layers' input: text rows already scaled by its embedding) with
+    ``blocks`` attended both ways on every layer type (``sliding_block_masks``; ``sliding_window``:
+    the model's own unless given)."""
+    model = hf_eager_model(str(model_dir))
+    window = sliding_window or model.config.sliding_window
+    masks = sliding_block_masks(inputs_embeds.shape[0], blocks, window)
+    out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=masks, use_cache=False)
+    return out.logits[0]

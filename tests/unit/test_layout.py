@@ -308,7 +308,8 @@ def test_every_sabotage_patch_still_applies():
 # reads) and its family modules (docs/architecture.md, "Adding a family"); the test builders are
 # test support, not the client
 FAMILY_HOMES = {"sgl_embeds_protocol/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
-                "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py", "sgl_embeds/vlm/paligemma.py"}
+                "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py", "sgl_embeds/vlm/paligemma.py",
+                "sgl_embeds/vlm/gemma3.py"}
 
 
 def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:

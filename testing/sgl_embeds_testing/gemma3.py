@@ -1,0 +1,109 @@
+"""Tiny random-weight Gemma 3 checkpoints (``Gemma3ForConditionalGeneration``, float32) as
+transformers saves them, with their ``Gemma3Processor`` and a Gemma-3-style chat template.
+
+Built once into ``models.py``'s cache with fixed seeds: a SigLIP tower on 32 px images (4x4
+patches pooled to 4 rows an image), a Gemma 3 text model (hidden 64; sliding, sliding, full,
+sliding layers; sliding window 8, shorter than every test prompt), scaled up from the default init
+so that the image blocks change HF's answers. The tokenizer has Gemma 3's image and turn tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
+    Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig,
+)
+
+from sgl_embeds.serve import build_once
+from sgl_embeds_testing.models import (
+    TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
+)
+
+GEMMA3_CACHE_VERSION = "v3"
+IMAGE_SIZE, PATCH = 32, 8  # 4x4 patches
+ROWS_PER_IMAGE = 4  # mm_tokens_per_image: the patches pooled 2x2
+SLIDING_WINDOW = 8  # shorter than every test prompt; not shorter than an image's rows
+LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+TURN_START, TURN_END = "<start_of_turn>", "<end_of_turn>"
+# A chat template in Gemma 3's shape: the bos, turns as <start_of_turn>{role}\n...<end_of_turn>\n
+# (the assistant is "model"), an image part as <start_of_image>; a system turn's text opens the
+# first user turn
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}"
+    "{% set ns.system = (m['content'] if m['content'] is string else m['content'][0]['text']) + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# (seed, language-model weight scale, projector weight scale): picked so that the greedy answers
+# are varied and change when the images are attended causally; the (tied) token embeddings keep
+# the default init (``EMBED_SCALE``), as PaliGemma's tiny model does
+_INIT = (4, 8.0, 2.0)
+EMBED_SCALE = 1.0
+PROJECTION_STD = 0.5  # the projector's matrix (zero at init): rows of about the text rows' size
+LOGIT_SCALE = 8.0  # the final norm's gain (1 + weight): wider top-2 gaps (paligemma.py)
+_PROJECTION = "multi_modal_projector.mm_input_projection_weight"
+_PROJECTOR_NORM = "multi_modal_projector.mm_soft_emb_norm.weight"
+_FINAL_NORM = "language_model.model.norm.weight"
+
+
+def tiny_gemma3_dir(layout: str = "saved") -> Path:
+    """A tiny random-weight ``Gemma3ForConditionalGeneration`` (float32) with its processor
+    (module docstring). ``layout``: as ``models.tiny_llava_dir``'s (``"saved"``: transformers'
+    ``save_pretrained`` keys; ``"model"``: ``model.language_model.*``,
+    ``model.vision_tower.vision_model.*``, ...)."""
+    if layout not in ("saved", "model"):
+        raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
+
+    def build(tmp: Path) -> None:
+        train_tokenizer(tmp / "tokenizer", extra_specials=(BOI, IMAGE, EOI, TURN_START, TURN_END))
+        tok = AutoTokenizer.from_pretrained(tmp / "tokenizer", extra_special_tokens={
+            "boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI})
+        shutil.rmtree(tmp / "tokenizer")
+        image_processor = Gemma3ImageProcessor(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
+            image_std=[0.5] * 3)
+        processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok,
+                                    chat_template=CHAT_TEMPLATE, image_seq_length=ROWS_PER_IMAGE)
+        text = Gemma3TextConfig(
+            vocab_size=len(tok), hidden_size=TINY_HIDDEN, intermediate_size=128,
+            num_hidden_layers=len(LAYER_TYPES), layer_types=list(LAYER_TYPES),
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=SLIDING_WINDOW, max_position_embeddings=1024,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                    vision_use_head=False)
+        config = Gemma3Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(),
+            mm_tokens_per_image=ROWS_PER_IMAGE, boi_token_index=tok.boi_token_id,
+            eoi_token_index=tok.convert_tokens_to_ids(EOI), image_token_index=tok.image_token_id)
+        save_scaled_vlm(Gemma3ForConditionalGeneration, config, _INIT, tmp, embed_scale=EMBED_SCALE)
+        weights = load_file(str(tmp / "model.safetensors"))
+        torch.manual_seed(_INIT[0])
+        weights[_PROJECTION] = torch.randn_like(weights[_PROJECTION]) * PROJECTION_STD
+        weights[_PROJECTOR_NORM] = torch.randn_like(weights[_PROJECTOR_NORM]) * 0.5  # zero at init
+        weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        processor.save_pretrained(tmp)
+        if layout == "model":
+            _rename_to_model_layout(tmp)
+
+    return build_once(cache_dir() / f"tiny-gemma3-{layout}-{GEMMA3_CACHE_VERSION}", build)
