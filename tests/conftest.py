@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
+from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
@@ -165,6 +166,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # (tests/server/test_bidirectional_spans.py)
         "gemma3": lambda: Server(tiny_model_dir("gemma3"), extra_args=["--enable-cache-report",
                                                                        "--chunked-prefill-size", "16"]),
+        # Gemma 3, split by serve (tests/vlm/test_gemma3_parity.py): each image one block; its
+        # sliding-window layers see 8 positions; 10-position prefill chunks cut images
+        "gemma3_vlm": lambda: Server(tiny_gemma3_dir(), via_serve=True, env=served["env"],
+                                     extra_args=["--enable-cache-report", "--chunked-prefill-size", "10"]),
         # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
         # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
         "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],
