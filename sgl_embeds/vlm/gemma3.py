@@ -16,16 +16,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from PIL import Image
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoProcessor, Gemma3Config
-from transformers.image_processing_backends import TorchvisionBackend
+from transformers import AutoConfig, AutoProcessor, Gemma3Config
 from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from sgl_embeds.vlm.files import GEMMA3_FORMAT as FORMAT
-from sgl_embeds.vlm.pixels import BACKENDS
-from sgl_embeds.vlm.tower import place_vision_half, read_vision_dir
+from sgl_embeds.vlm.square import SquareImageEncoder
 from sgl_embeds_protocol import segments as seg
 
 FAMILY = "gemma3"
@@ -175,57 +172,20 @@ def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma3Visio
     return out
 
 
-class Gemma3Encoder:
-    """The vision half of a split Gemma 3 checkpoint (module docstring).
+class Gemma3Encoder(SquareImageEncoder):
+    """The vision half of a split Gemma 3 checkpoint (module docstring; the constructor's
+    arguments: ``square.SquareImageEncoder``)."""
 
-    ``backend``: the image processor's transformers backend, ``"torchvision"`` or ``"pil"``
-    (default: what ``AutoImageProcessor.from_pretrained`` picks); ``device``: cuda when available.
-    """
+    family = FAMILY
+    settings = Gemma3Vision
+    check_processor = staticmethod(check_image_processor)
 
-    family = FAMILY  # what the server it fits serves (sgl_embeds.connect checks it)
-
-    def __init__(self, vision_dir: str | Path, backend: str | None = None,
-                 device: str | torch.device | None = None):
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        text, weights, digest = read_vision_dir(vision_dir)
-        self.config = Gemma3Vision.from_json(text)
-        self.processor = AutoImageProcessor.from_pretrained(
-            vision_dir, **({} if backend is None else {"backend": backend}))
-        check_image_processor(self.processor, self.config.vision_config["image_size"])
-        self.backend = "torchvision" if isinstance(self.processor, TorchvisionBackend) else "pil"
-        vision = AutoConfig.for_model(**self.config.vision_config)
-        self.tower = AutoModel.from_config(vision).to(torch.float32)
-        # HF's own projector module: only the fields it reads (the text model's width)
+    def make_projector(self, vision) -> torch.nn.Module:
+        """HF's own projector module, given only the fields it reads (the text model's width)."""
         model_config = Gemma3Config(
             vision_config=self.config.vision_config, mm_tokens_per_image=self.config.rows_per_image,
             text_config={"hidden_size": self.config.llm_hidden_size, "num_attention_heads": 1})
-        self.projector = Gemma3MultiModalProjector(model_config).to(torch.float32)
-        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device)
-        digest.update(f"{self.backend}\n{self.processor.to_json_string()}".encode())
-        self.identity = f"{FAMILY}-{digest.hexdigest()[:16]}"  # for encoder caches
-
-    @property
-    def span_width(self) -> int:
-        return self.config.llm_hidden_size
-
-    @property
-    def image_token(self) -> str:
-        """Where ``prompt_text`` puts each image's rows (``image_prompt``'s ``image_token``)."""
-        return self.config.image_token
-
-    @property
-    def rows_per_image(self) -> int:
-        return self.config.rows_per_image
-
-    @property
-    def mean_color(self) -> tuple[int, int, int]:
-        """The RGB colour that normalizes to (nearly) zero: what masked-out pixels become."""
-        return tuple(int(round(m * 255)) for m in self.processor.image_mean)
-
-    def rows_for(self, width: int, height: int) -> int:
-        """How many rows an image of this size becomes: ``rows_per_image``, whatever its size."""
-        return self.config.rows_per_image
+        return Gemma3MultiModalProjector(model_config)
 
     def prompt_text(self, text: str, images: int | None = None) -> str:
         """``prompt_text`` with this checkpoint's tokens."""
@@ -234,17 +194,3 @@ class Gemma3Encoder:
     def prompt_segments(self, rows: Sequence[torch.Tensor], text: str) -> seg.Prompt:
         """``prompt_segments`` with this checkpoint's tokens."""
         return prompt_segments(rows, text, self.config)
-
-    def pixel_values(self, image: Image.Image) -> torch.Tensor:
-        """``[3, size, size]``: what the checkpoint's image processor gives for ``image``."""
-        (pixels,) = self.processor(images=[image], return_tensors="pt")["pixel_values"]
-        return pixels
-
-    @torch.no_grad()
-    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[batch, rows_per_image, llm_hidden]`` rows of ``[batch, 3, size, size]`` pixels."""
-        out = self.tower(pixel_values=pixel_values.to(self.device, torch.float32))
-        return self.projector(out.last_hidden_state)
-
-    def __call__(self, image: Image.Image) -> torch.Tensor:
-        return self.features(self.pixel_values(image).unsqueeze(0))[0].float().cpu()
