@@ -76,8 +76,11 @@ def load_batch(original: Callable, self: Any, forward_batch: Any, *args: Any, **
 
 
 def _ours(layer: Any) -> bool:
+    """A layer this module attends: self-attention of a decoder, equal q/k and v widths, and
+    soft-capping (if any) by tanh, the one ``attend`` computes."""
     return not layer.is_cross_attention and layer.attn_type != AttentionType.ENCODER_ONLY \
-        and layer.qk_head_dim == layer.v_head_dim
+        and layer.qk_head_dim == layer.v_head_dim \
+        and (not layer.logit_cap or getattr(layer, "logit_capping_method", "tanh") == "tanh")
 
 
 def _window(layer: Any) -> int | None:
