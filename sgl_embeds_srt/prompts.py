@@ -139,9 +139,17 @@ def blocks_refused(server_args: Any, model_config: Any, vision: VisionSpec | Non
     if backend != TORCH_NATIVE:
         return (f"bidirectional blocks are attended on the {TORCH_NATIVE} attention backend only; "
                 f"this server prefills with {backend!r}")
-    if getattr(model_config, "linear_attn_registry_result", None) is not None:
+    if _linear_attention(model_config):
         return "this model's linear-attention layers read the prompt in one direction only"
     return None
+
+
+def _linear_attention(model_config: Any) -> bool:
+    """Whether SGLang registers linear-attention (recurrent) layers for the model."""
+    try:
+        return getattr(model_config, "linear_attn_registry_result", None) is not None
+    except Exception:  # a config its registry cannot read has no linear layers SGLang knows of
+        return False
 
 
 TORCH_NATIVE = "torch_native"
