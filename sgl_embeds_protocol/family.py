@@ -8,6 +8,7 @@ it imports nothing of either. A family's code lives in its own module (docs/arch
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -139,8 +140,11 @@ def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> ServedM
     return ServedModel(None, TEXT, None, grid=False, merge_size=None, vision_tokens={})
 
 
+@functools.cache
 def split_family(model_path: str | None) -> Family | None:
-    """The family whose LLM half ``model_path`` is (its ``FAMILY_FILE``); None for any other model."""
+    """The family whose LLM half ``model_path`` is (its ``FAMILY_FILE``); None for any other
+    model. Read once per path: a server's model does not change under it, and the tokenizer side
+    asks on every request."""
     split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
     return family_of(split["family"]) if split is not None else None
 

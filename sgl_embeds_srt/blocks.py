@@ -10,7 +10,6 @@ cache key. docs/engine.md, "Bidirectional blocks".
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -42,11 +41,6 @@ def served_prefix_lm() -> bool:
         model_path = get_server_args().model_path
     except ValueError:  # "Global server args is not set yet!"
         return False
-    return _is_prefix_lm(model_path)
-
-
-@functools.cache
-def _is_prefix_lm(model_path: str) -> bool:
     family = split_family(model_path)
     return family is not None and family.prefix_lm
 
