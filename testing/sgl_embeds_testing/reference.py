@@ -427,15 +427,23 @@ def paligemma_greedy(checkpoint: str | Path, prompt: str, images: list, max_new_
     ``causal=True``: the prompt attended causally instead of as one block (no token_type_ids)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
-    model, _ = hf_paligemma(str(checkpoint))
     inputs = paligemma_inputs(checkpoint, prompt, images)
     inputs.pop("labels", None)
+    # tokens generated before are the suffix (type 1): causal, as in HF's generation
+    return _typed_greedy(hf_paligemma(str(checkpoint))[0], inputs, max_new_tokens, prefix, 1, causal)
+
+
+def _typed_greedy(model, inputs: dict, max_new_tokens: int, prefix: list[int], prefix_type: int,
+                  drop_types: bool) -> Greedy:
+    """HF ``generate`` (greedy) of a VLM that masks by ``token_type_ids``: ``inputs`` as its
+    processor built them, then the tokens ``prefix`` forced, of token type ``prefix_type``;
+    ``drop_types``: without ``token_type_ids`` (every position causal)."""
     if prefix:
         extra = torch.tensor([list(prefix)])
         inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.ones_like(extra)], dim=1)
-    if causal:
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.full_like(extra, prefix_type)], dim=1)
+    if drop_types:
         del inputs["token_type_ids"]
     out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
                          output_scores=True, return_dict_in_generate=True,
@@ -533,19 +541,9 @@ def gemma3_greedy(checkpoint: str | Path, text: str, images: list, max_new_token
     ``causal_images=True``: the images attended causally too (no token_type_ids)."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
-    model, _ = hf_gemma3(str(checkpoint))
     inputs = gemma3_inputs(checkpoint, text, images)
-    if prefix:
-        extra = torch.tensor([list(prefix)])
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(extra)], dim=1)
-    if causal_images:
-        del inputs["token_type_ids"]
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix), do_sample=False,
-                         output_scores=True, return_dict_in_generate=True,
-                         pad_token_id=model.config.text_config.pad_token_id)
-    return _greedy_from_scores(out.sequences, out.scores)
+    # tokens generated before are text (type 0)
+    return _typed_greedy(hf_gemma3(str(checkpoint))[0], inputs, max_new_tokens, prefix, 0, causal_images)
 
 
 def sliding_block_masks(n: int, blocks: Collection[tuple[int, int]],
