@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import pytest
+import requests
 import torch
 from PIL import Image
 
@@ -144,3 +147,21 @@ def pooled(names, server_of=None) -> list:
     asks for (``server_of(name)``; default: the name itself), so the pool starts it early and
     keeps it for the test (tests/conftest.py)."""
     return [pytest.param(name, marks=pytest.mark.pooled((server_of or str)(name))) for name in names]
+
+
+def assert_retraction_keeps_outputs(roomy, constrained, prompts_of: Callable[[int], list], max_new_tokens: int = 40) -> None:
+    """The prompts ``prompts_of(attempt)`` sent at once to the ``constrained`` server (a KV pool
+    too small for them all) give what ``roomy`` gives each alone, and the pool retracted one.
+    Whether it retracts depends on how the requests arrive (on a slow machine they can come in
+    waves that fit): every attempt must give equal outputs, and one of at most 4 must retract."""
+    retracted, attempts = 0, 0
+    while retracted == 0 and attempts < 4:
+        prompts = prompts_of(attempts)
+        want = [generate(roomy, body(p, max_new_tokens))["output_ids"] for p in prompts]
+        requests.post(constrained.url + "/flush_cache", timeout=60)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: generate(constrained, body(p, max_new_tokens)), prompts))
+        assert [g["output_ids"] for g in got] == want
+        retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
+        attempts += 1
+    assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"

@@ -6,12 +6,11 @@ Each prompt's HF answer changes when the same rows are attended causally, so an 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import requests
 import torch
 
+import helpers
 from helpers import OUTPUT_LOGPROBS, body, error_message, generate, reference_embeds, seeded_rows, span, text
 from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol import segments as seg
@@ -197,14 +196,5 @@ def test_retraction_keeps_blocks_exact(llama_server, constrained_server):
     server's 256 KV slots: requests are retracted and prefilled again (their blocks cut by
     16-position chunks, a hit inside a block from the same block), and every answer equals the
     one the roomy server gives alone."""
-    retracted, attempts = 0, 0
-    while retracted == 0 and attempts < 4:
-        prompts = [_segments(["one two", _rows(600 + 10 * attempts + i, 30), " three"]) for i in range(8)]
-        want = [generate(llama_server, body(p, 40))["output_ids"] for p in prompts]
-        requests.post(constrained_server.url + "/flush_cache", timeout=60)
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: generate(constrained_server, body(p, 40)), prompts))
-        assert [g["output_ids"] for g in got] == want
-        retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
-        attempts += 1
-    assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
+    helpers.assert_retraction_keeps_outputs(llama_server, constrained_server, lambda attempt: [
+        _segments(["one two", _rows(600 + 10 * attempt + i, 30), " three"]) for i in range(8)])

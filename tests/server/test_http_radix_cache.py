@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
-import requests
 import torch
 
+import helpers
 from helpers import LOGPROBS, OUTPUT_LOGPROBS, body, generate, reference_embeds, seeded_rows, span, text
 from sgl_embeds_testing import reference as ref
 
@@ -91,16 +90,5 @@ def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, co
 
 def test_eviction_and_retraction_keep_outputs_identical(llama_server, constrained_server):
     # 8 concurrent requests of ~34 positions + 40 new tokens each need far more than 256 KV slots.
-    # Whether the scheduler retracts depends on how the 8 arrive (on a slow machine they can come
-    # in waves that fit): every attempt must give identical outputs, and one must have retracted.
-    retracted, attempts = 0, 0
-    while retracted == 0 and attempts < 4:
-        prompts = [[text("one two"), span(seeded_rows(500 + 10 * attempts + i, 30)), text(" three")] for i in range(8)]
-        want = [generate(llama_server, body(p, 40))["output_ids"] for p in prompts]
-        requests.post(constrained_server.url + "/flush_cache", timeout=60)
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: generate(constrained_server, body(p, 40)), prompts))
-        assert [g["output_ids"] for g in got] == want
-        retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
-        attempts += 1
-    assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
+    helpers.assert_retraction_keeps_outputs(llama_server, constrained_server, lambda attempt: [
+        [text("one two"), span(seeded_rows(500 + 10 * attempt + i, 30)), text(" three")] for i in range(8)])
