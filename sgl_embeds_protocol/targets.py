@@ -145,6 +145,11 @@ RELIED_ON: dict[str, Guard] = {
     f"{_HTTP}.serve_generate_request": server("tokenizer_manager.generate_request", fp="ff5196620cd3f804"),
     f"{_HTTP}.get_model_info": server(fp="6627f793a9926ca2"),  # its answer carries ours (deprecated upstream)
     f"{_HTTP}._global_state": server(),
+    # -- bidirectional blocks: a scheduler reads the served model's path (blocks.served_prefix_lm),
+    #    and a layer's soft-capping method and sliding window (block_attention)
+    "sglang.srt.runtime_context.get_server_args": server("_CONTEXT.server_args", fp="77acc44f31f26ac7"),
+    "sglang.srt.layers.radix_attention.RadixAttention.__init__": server(
+        "self.logit_capping_method = logit_capping_method", "self.sliding_window_size", fp="3db630e05a135fc8"),
     # multi-tokenizer mode: each HTTP worker imports the app by this path, which we point at ours
     f"{_HTTP}._setup_and_run_http_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="9922db5d86b86d38"),
     f"{_HTTP}._run_granian_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="caaae7a6bc63ec7c"),
