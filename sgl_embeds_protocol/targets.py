@@ -61,6 +61,13 @@ EAGER_LOAD_BATCH = "sglang.srt.model_executor.runner.eager_runner.EagerRunner.lo
 _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 TORCH_NATIVE_EXTEND = f"{_TORCH_NATIVE}.forward_extend"
 TORCH_NATIVE_DECODE = f"{_TORCH_NATIVE}.forward_decode"
+_TRITON = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
+TRITON_INIT_METADATA = f"{_TRITON}.init_forward_metadata"
+TRITON_EXTEND_KERNEL = f"{_TRITON}._forward_extend_kernel"
+_FLASHINFER = "sglang.srt.layers.attention.flashinfer_backend"
+FLASHINFER_INIT_METADATA = f"{_FLASHINFER}.FlashInferAttnBackend.init_forward_metadata"
+FLASHINFER_PLAN = f"{_FLASHINFER}.FlashInferIndicesUpdaterPrefill.call_begin_forward"
+PREFILL_GRAPH_CAN_RUN = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 # Tokenizer-manager (HTTP) process
@@ -112,6 +119,14 @@ PATCHED: dict[str, Guard] = {
     EAGER_LOAD_BATCH: server("forward_batch_template=forward_batch", "return replace(forward_batch)", fp="aa0893a835eb23f0"),
     TORCH_NATIVE_EXTEND: server("KVWriteLoc(cache_loc, self.swa_out_cache_loc)", "_run_sdpa_forward_extend", fp="97118fc036df00e2"),
     TORCH_NATIVE_DECODE: server("KVWriteLoc(cache_loc, self.swa_out_cache_loc)", "_run_sdpa_forward_decode", fp="008a3d8cfe1fa5fd"),
+    # the GPU backends' block masks (gpu_block_attention): Triton's metadata carries a mask its
+    # extend kernel reads (argument 9, the causal flag 10: see the RELIED_ON forward_extend);
+    # FlashInfer's paged-only plan (the is_multimodal switch) takes one per wrapper
+    TRITON_INIT_METADATA: server("self.forward_metadata = ForwardMetadata(", "custom_mask", fp="d2b6cc77f0f5a461"),
+    TRITON_EXTEND_KERNEL: server("self.extend_attention_fwd(*args, **kwargs)", fp="a84053c66ac6426b"),
+    FLASHINFER_INIT_METADATA: server("if self.is_multimodal or self.enable_mis:", "use_ragged = False", fp="06b7597c8e8a3d2b"),
+    FLASHINFER_PLAN: server("custom_mask = cross_attention_custom_mask", "use_custom_mask = custom_mask", fp="38d642b325dc307f"),
+    PREFILL_GRAPH_CAN_RUN: server("can_replay_locally", fp="43cedd35cceab5e1"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
     # its Triton kernel, which asks CUDA for the SM count; sgl_embeds_cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
@@ -150,6 +165,14 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.runtime_context.get_server_args": server("_CONTEXT.server_args", fp="77acc44f31f26ac7"),
     "sglang.srt.layers.radix_attention.RadixAttention.__init__": server(
         "self.logit_capping_method = logit_capping_method", "self.sliding_window_size", fp="3db630e05a135fc8"),
+    # Triton's extend hands its kernel the mask and causal flag at these places (TRITON_CAUSAL_ARG);
+    # the kernel's causal flag ends each query tile's sweep at the tile (why a block runs without it)
+    f"{_TRITON}.forward_extend": server("self._forward_extend_kernel(", "self.forward_metadata.custom_mask,\n            causal,", fp="960380cae26fa89f"),
+    "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
+        server("custom_mask,\n    is_causal,", "IS_CAUSAL=is_causal", fp="5ca6696f1a74618f"),
+    # FlashInfer's paged wrapper plans a mask of qo x kv rows per request, the kv its plan reads
+    f"{_FLASHINFER}.FlashInferIndicesUpdaterPrefill.update_sliding_window":
+        server("kv_start_idx = seq_lens - paged_kernel_lens", fp="819978987369c31c"),
     # multi-tokenizer mode: each HTTP worker imports the app by this path, which we point at ours
     f"{_HTTP}._setup_and_run_http_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="9922db5d86b86d38"),
     f"{_HTTP}._run_granian_server": server("SGLANG_HTTP_SERVER_APP_PATH", fp="caaae7a6bc63ec7c"),

@@ -25,7 +25,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds_srt import (
-        block_attention, blocks, engine, image_spans, logprobs, model_runner, openai, scheduler, transport,
+        block_attention, blocks, engine, gpu_block_attention, image_spans, logprobs, model_runner, openai, scheduler, transport,
     )
 
     table = {
@@ -48,6 +48,11 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.EAGER_LOAD_BATCH: (HookType.AROUND, block_attention.load_batch),
         targets.TORCH_NATIVE_EXTEND: (HookType.AROUND, block_attention.forward_extend),
         targets.TORCH_NATIVE_DECODE: (HookType.AROUND, block_attention.forward_decode),
+        targets.TRITON_INIT_METADATA: (HookType.AROUND, gpu_block_attention.triton_init_forward_metadata),
+        targets.TRITON_EXTEND_KERNEL: (HookType.AROUND, gpu_block_attention.triton_extend_kernel),
+        targets.FLASHINFER_INIT_METADATA: (HookType.AROUND, gpu_block_attention.flashinfer_init_forward_metadata),
+        targets.FLASHINFER_PLAN: (HookType.AROUND, gpu_block_attention.flashinfer_plan),
+        targets.PREFILL_GRAPH_CAN_RUN: (HookType.AROUND, gpu_block_attention.prefill_graph_can_run),
     }
     if http:
         from sgl_embeds_srt import http as http_side

@@ -38,7 +38,7 @@ class ModelSpec:
     model_path: str | None = None  # as the server was launched with it
     prefix_lm: bool = False  # every prompt is one bidirectional block (family.Family.prefix_lm)
     blocks_refused: str | None = None  # why this server cannot attend a block both ways
-    max_block: int | None = None  # the most positions one block may hold (one prefill step)
+    max_block: "BlockLimit | None" = None  # the most positions one block may hold, and why
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -47,7 +47,7 @@ class ModelSpec:
         family = split_family(args.model_path)
         return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer, vision,
                    args.model_path, prefix_lm=family is not None and family.prefix_lm,
-                   blocks_refused=blocks_refused(args, mc, vision), max_block=args.max_prefill_tokens)
+                   blocks_refused=blocks_refused(args, mc, vision), max_block=block_limit(args, mc))
 
     @property
     def span_width(self) -> int:
@@ -135,13 +135,27 @@ def blocks_refused(server_args: Any, model_config: Any, vision: VisionSpec | Non
     if vision is not None:
         return ("a VLM served natively attends its image rows as its own model does: send "
                 "causal spans")
-    backend = server_args.prefill_attention_backend or server_args.attention_backend
-    if backend != TORCH_NATIVE:
-        return (f"bidirectional blocks are attended on the {TORCH_NATIVE} attention backend only; "
-                f"this server prefills with {backend!r}")
+    backend = _prefill_backend(server_args)
+    if backend not in BLOCK_BACKENDS:
+        return (f"bidirectional blocks are attended on the {', '.join(BLOCK_BACKENDS)} attention "
+                f"backends; this server prefills with {backend!r}")
     if _linear_attention(model_config):
         return "this model's linear-attention layers read the prompt in one direction only"
+    if backend != TORCH_NATIVE:
+        if getattr(server_args, "speculative_algorithm", None):
+            return "speculative decoding plans the GPU backends' masks for its own trees"
+        if getattr(server_args, "enable_deterministic_inference", False):
+            return "the deterministic extend kernel is not one sgl_embeds gives a block's mask"
+        if getattr(server_args, "dcp_size", 1) > 1:
+            return "decode context parallelism attends without a custom mask"
+        if getattr(model_config, "attention_arch", None) is not None \
+                and getattr(model_config.attention_arch, "name", "") == "MLA":
+            return "multi-head latent attention prefills without a custom mask"
     return None
+
+
+def _prefill_backend(server_args: Any) -> str:
+    return server_args.prefill_attention_backend or server_args.attention_backend
 
 
 def _linear_attention(model_config: Any) -> bool:
@@ -153,15 +167,45 @@ def _linear_attention(model_config: Any) -> bool:
 
 
 TORCH_NATIVE = "torch_native"
+# where a block is attended: block_attention.py (CPU), gpu_block_attention.py (the others)
+BLOCK_BACKENDS = (TORCH_NATIVE, "triton", "flashinfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLimit:
+    """The most positions one block may hold on this server, and why (the end of a 400)."""
+
+    positions: int
+    why: str
+
+
+def block_limit(server_args: Any, model_config: Any) -> BlockLimit:
+    """A block is prefilled in one step; on a GPU backend a sliding layer's window also bounds it
+    (the kernels AND their window with the block's mask: gpu_block_attention.py)."""
+    limit = BlockLimit(server_args.max_prefill_tokens, "a block is prefilled in one step, of at most "
+                       f"{server_args.max_prefill_tokens} (--max-prefill-tokens)")
+    backend = _prefill_backend(server_args)
+    window = _sliding_window(model_config) if backend != TORCH_NATIVE else None
+    if window is not None and window < limit.positions:
+        limit = BlockLimit(window, f"on {backend!r} a block must fit the model's sliding window "
+                           f"of {window} positions")
+    return limit
+
+
+def _sliding_window(model_config: Any) -> int | None:
+    config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
 
 
 def check_block(spec: ModelSpec, n_positions: int, what: str) -> None:
     """A block of ``n_positions`` against what the server can attend (``ValueError``: HTTP 400)."""
     if spec.blocks_refused is not None:
         raise ValueError(f"{what} cannot be served here: {spec.blocks_refused}")
-    if spec.max_block is not None and n_positions > spec.max_block:
-        raise ValueError(f"{what} has {n_positions} positions; a block is prefilled in one step, "
-                         f"of at most {spec.max_block} (--max-prefill-tokens)")
+    if spec.max_block is not None and n_positions > spec.max_block.positions:
+        raise ValueError(f"{what} has {n_positions} positions; {spec.max_block.why}")
 
 
 # Casts to the model's dtype that lose nothing (and so cannot overflow): rows sent in such a dtype

@@ -14,7 +14,7 @@ from sgl_embeds.writer import SpanWriter
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.blocks import span_blocks
 from sgl_embeds_srt.parse import segments_from_wire
-from sgl_embeds_srt.prompts import ModelSpec, blocks_refused, build_ids
+from sgl_embeds_srt.prompts import ModelSpec, block_limit, blocks_refused, build_ids
 from test_lang_compile import _run_fill_only
 
 ROWS = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
@@ -59,31 +59,59 @@ def test_a_block_names_its_whole_span_in_its_first_id():
     assert span_blocks(prompt_rows) == [(2, 7)]
 
 
+def _args(backend: str, prefill: str | None = None, **more):
+    return SimpleNamespace(attention_backend=backend, prefill_attention_backend=prefill,
+                           max_prefill_tokens=16, **more)
+
+
+def _limit(backend: str = "torch_native", window: int | None = None):
+    text = SimpleNamespace(sliding_window=window)
+    return block_limit(_args(backend), SimpleNamespace(hf_text_config=text))
+
+
 @pytest.mark.parametrize("refused, max_block, message", [
     ("a reason", None, "a bidirectional span cannot be served here: a reason"),
-    (None, 4, "a bidirectional span has 5 positions; a block is prefilled in one step, of at most 4"),
+    (None, _limit(), "a bidirectional span has 17 positions; a block is prefilled in one step, of at most 16"),
+    (None, _limit("triton", window=8), "a bidirectional span has 17 positions; on 'triton' a block must fit "
+                                       "the model's sliding window of 8 positions"),
 ])
 def test_a_block_the_server_cannot_attend_is_a_400(refused, max_block, message):
+    rows = torch.randn(17, 8)
+    prompt = [seg.Ids([1, 2]), seg.Span(rows, bidirectional=True), seg.Ids([3])]
     with pytest.raises(ValueError, match=f"segment 1: {message}"):
-        _ids_and_rows(True, _spec(blocks_refused=refused, max_block=max_block))
-    _ids_and_rows(False, _spec(blocks_refused=refused, max_block=max_block))  # causal spans pass
+        build_ids(prompt, _spec(blocks_refused=refused, max_block=max_block))
+    prompt[1] = seg.Span(rows)
+    build_ids(prompt, _spec(blocks_refused=refused, max_block=max_block))  # causal spans pass
+
+
+def test_the_sliding_window_bounds_a_block_on_the_gpu_backends_only():
+    assert _limit(window=4).positions == 16, "torch_native attends a block past the window"
+    assert _limit("flashinfer", window=4).positions == 4
+    assert _limit("triton", window=64).positions == 16, "the smaller limit holds"
+    assert _limit("triton").positions == 16
+    qwen2 = SimpleNamespace(hf_text_config=SimpleNamespace(sliding_window=4, use_sliding_window=False))
+    assert block_limit(_args("triton"), qwen2).positions == 16, "a window the model does not use"
 
 
 def test_a_prefix_lm_prompt_is_one_block_under_the_same_limit():
-    build_ids([seg.Ids([1, 2, 3, 4])], _spec(prefix_lm=True, max_block=4))
-    with pytest.raises(ValueError, match="the prompt .* has 5 positions"):
-        build_ids([seg.Ids([1, 2, 3, 4, 5])], _spec(prefix_lm=True, max_block=4))
-
-
-def _args(backend: str, prefill: str | None = None):
-    return SimpleNamespace(attention_backend=backend, prefill_attention_backend=prefill)
+    build_ids([seg.Ids(list(range(16)))], _spec(prefix_lm=True, max_block=_limit()))
+    with pytest.raises(ValueError, match="the prompt .* has 17 positions"):
+        build_ids([seg.Ids(list(range(17)))], _spec(prefix_lm=True, max_block=_limit()))
 
 
 def test_where_blocks_are_refused_and_why():
     plain = SimpleNamespace(linear_attn_registry_result=None)
-    assert blocks_refused(_args("torch_native"), plain, None) is None
-    assert "prefills with 'triton'" in blocks_refused(_args("triton"), plain, None)
-    assert "prefills with 'flashinfer'" in blocks_refused(_args("torch_native", "flashinfer"), plain, None)
+    for backend in ("torch_native", "triton", "flashinfer"):
+        assert blocks_refused(_args(backend), plain, None) is None
+    assert "prefills with 'fa3'" in blocks_refused(_args("fa3"), plain, None)
+    assert "prefills with 'fa3'" in blocks_refused(_args("triton", "fa3"), plain, None)
     assert "natively" in blocks_refused(_args("torch_native"), plain, object())
     hybrid = SimpleNamespace(linear_attn_registry_result=object())
     assert "linear-attention" in blocks_refused(_args("torch_native"), hybrid, None)
+    # what the GPU backends' masks do not reach
+    assert "speculative" in blocks_refused(_args("triton", speculative_algorithm="EAGLE"), plain, None)
+    assert "deterministic" in blocks_refused(_args("triton", enable_deterministic_inference=True), plain, None)
+    assert "context parallelism" in blocks_refused(_args("flashinfer", dcp_size=2), plain, None)
+    mla = SimpleNamespace(linear_attn_registry_result=None, attention_arch=SimpleNamespace(name="MLA"))
+    assert "latent" in blocks_refused(_args("triton"), mla, None)
+    assert blocks_refused(_args("torch_native", speculative_algorithm="EAGLE"), plain, None) is None
