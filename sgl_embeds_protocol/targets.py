@@ -167,7 +167,9 @@ RELIED_ON: dict[str, Guard] = {
         "self.logit_capping_method = logit_capping_method", "self.sliding_window_size", fp="3db630e05a135fc8"),
     # Triton's extend hands its kernel the mask and causal flag at these places (TRITON_CAUSAL_ARG);
     # the kernel's causal flag ends each query tile's sweep at the tile (why a block runs without it)
-    f"{_TRITON}.forward_extend": server("self._forward_extend_kernel(", "self.forward_metadata.custom_mask,\n            causal,", fp="960380cae26fa89f"),
+    f"{_TRITON}.forward_extend": server("self._forward_extend_kernel(",
+                                        "self.forward_metadata.custom_mask,\n            causal,",
+                                        fp="960380cae26fa89f"),
     "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd":
         server("custom_mask,\n    is_causal,", "IS_CAUSAL=is_causal", fp="5ca6696f1a74618f"),
     # FlashInfer's paged wrapper plans a mask of qo x kv rows per request, the kv its plan reads

@@ -1,18 +1,8 @@
 """Model side of bidirectional blocks on SGLang's GPU backends: Triton and FlashInfer attend a
-batch holding a block through a custom mask, the input both kernels take for speculative trees.
-
-The mask is ``block_attention.allowed_keys`` without the window: causal, and each block's
-positions seeing the whole block. The sliding window stays each kernel's own, ANDed with the mask,
-so on a sliding layer a block longer than the window would lose its far pairs; such a block is
-refused where it enters (``prompts.check_block``). What each backend needs besides the mask:
-- **Triton** runs its extend kernel non-causal: with a mask *and* its causal flag it stops each
-  query tile's sweep at the tile's end, so a query never reaches a block's later keys once the
-  block is longer than the tile (stock Gemma 3 on Triton drops them so: tests/unit/
-  test_gpu_block_masks.py shows it in Triton's interpreter);
-- **FlashInfer** plans the batch on its paged wrapper alone, the one that takes a mask (SGLang's
-  own switch for multimodal models), with the mask over the keys each wrapper reads;
-- the prefill CUDA graph does not replay such a batch (its captured attention reads no mask).
-docs/engine.md, "Bidirectional blocks".
+batch holding a block through a custom mask (``flat_mask``: causal, each block's positions seeing
+the whole block), with their own sliding window ANDed onto it; Triton's kernel runs without its
+causal flag, FlashInfer plans the batch on its paged wrapper alone, and the prefill CUDA graph
+does not replay it. Why each: docs/engine.md, "Bidirectional blocks".
 """
 
 from __future__ import annotations
@@ -72,7 +62,8 @@ def triton_init_forward_metadata(original: Callable, self: Any, forward_batch: A
 
 def triton_extend_kernel(original: Callable, self: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``TritonAttnBackend._forward_extend_kernel``: with our mask the kernel runs
-    non-causal (the mask is causal where no block is)."""
+    non-causal (the mask is causal where no block is): its causal flag ends each query tile's
+    sweep at the tile, which drops the later keys of a block longer than the tile."""
     metadata = self.forward_metadata
     if getattr(metadata, MASKED, False) and len(args) > TRITON_CAUSAL_ARG \
             and args[TRITON_MASK_ARG] is metadata.custom_mask:

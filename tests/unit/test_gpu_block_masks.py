@@ -18,6 +18,7 @@ import torch
 from sgl_embeds_srt import gpu_block_attention as gpu
 from sgl_embeds_srt.block_attention import allowed_keys
 from sgl_embeds_srt.blocks import BLOCKS_ATTR
+from sgl_embeds_testing import kernel_masks
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,7 +44,7 @@ def interpreted() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["long_block", "two_blocks_capped", "window"])
+@pytest.mark.parametrize("case", list(kernel_masks.CASES))
 def test_tritons_extend_kernel_with_our_mask_equals_the_dense_reference(interpreted, case):
     worst = interpreted[case]
     assert worst["hooked"] < 1e-5, f"{case}: {worst}"
