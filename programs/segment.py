@@ -3,11 +3,9 @@
 PaliGemma answers ``segment <label>`` with one group per object, joined by ``" ; "``: four location
 tokens (the box, as in ``detect.py``), sixteen ``<segNNN>`` tokens (000 .. 127) and, after a
 space, the label. The sixteen codes are a 4x4 grid of indices into the codebook of big_vision's
-VQ-VAE for masks; only that model's decoder turns them into the object's mask (64x64, resized
-into the box). Its weights (``vae-oid.npz``, published with big_vision's PaliGemma) are not part
-of this repository, so this program returns the box and the codes, not a mask
-(docs/vision-encoders.md, section 7). Generation is held to ``segmentation_regex``: the answer
-always parses.
+VQ-VAE for masks; ``masks`` decodes them with that model's decoder (``MaskDecoder``, from the
+``vae-oid.npz`` you download: docs/vision-encoders.md, section 7) into each object's mask.
+Generation is held to ``segmentation_regex``: the answer always parses.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import sglang as sgl
+import numpy as np
 from PIL import Image
 
 from programs.detect import (
@@ -24,6 +23,7 @@ from programs.detect import (
     repeated, parse_locs, to_pixels,
 )
 from sgl_embeds.vlm.paligemma import prompt_text
+from sgl_embeds.vlm.paligemma_masks import MaskDecoder, mask_in_image
 from sgl_embeds.vlm.prompt import image_prompt
 
 SEG_CODES = 128  # <seg000> .. <seg127>
@@ -136,3 +136,12 @@ def run_segment(backend, image: Image.Image | str, label: str, max_objects: int 
     state = segment.run(image=image, label=label, bos_token=backend.vision_encoder.bos_token,
                         max_objects=max_objects, max_tokens=max_tokens, backend=backend)
     return parse_segmentations(state["answer"], image.width, image.height)
+
+
+def masks(segmentations: Sequence[Segmentation], decoder: MaskDecoder, width: int, height: int) -> list[np.ndarray]:
+    """Each object's mask in the ``width`` x ``height`` image it was found in (``height`` x
+    ``width`` bools), decoded from its codes and placed in its box."""
+    if not segmentations:
+        return []
+    logits = decoder([s.codes for s in segmentations])
+    return [mask_in_image(m, s.box, width, height) for m, s in zip(logits, segmentations)]

@@ -92,3 +92,35 @@ def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
 
     name = f"tiny-paligemma{generation}-{layout}-{PALIGEMMA_CACHE_VERSION}"
     return build_once(cache_dir() / name, build)
+
+
+# a mask decoder of vae-oid.npz's layout at small widths: codebook, 1x1 conv, two residual blocks,
+# four transposed convolutions, 1x1 conv (sgl_embeds.vlm.paligemma_masks)
+MASK_DECODER_WIDTHS = dict(codes=128, embedding=8, hidden=16, upsampled=(16, 8, 4, 2))
+
+
+def mask_decoder_weights(seed: int = 0) -> dict:
+    """Random weights named and shaped as in ``vae-oid.npz`` (PyTorch layouts), at the widths of
+    ``MASK_DECODER_WIDTHS``; NumPy's generator, so the same on every machine."""
+    import numpy as np
+
+    rng, w = np.random.default_rng(seed), MASK_DECODER_WIDTHS
+    out = {"_vq_vae._embedding": rng.standard_normal((w["codes"], w["embedding"]), dtype=np.float32)}
+
+    def conv(name, shape):
+        fan_in = shape[1] * shape[2] * shape[3]
+        out[name + ".weight"] = (2 * rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+        out[name + ".bias"] = (0.1 * rng.standard_normal(shape[0], dtype=np.float32)).astype(np.float32)
+
+    hidden = w["hidden"]
+    conv("decoder.0", (hidden, w["embedding"], 1, 1))
+    for block in ("decoder.2.net", "decoder.3.net"):
+        conv(block + ".0", (hidden, hidden, 3, 3))
+        conv(block + ".2", (hidden, hidden, 3, 3))
+        conv(block + ".4", (hidden, hidden, 1, 1))
+    widths = (hidden, *w["upsampled"])
+    for name, (c_in, c_out) in zip(("decoder.4", "decoder.6", "decoder.8", "decoder.10"), zip(widths, widths[1:])):
+        conv(name, (c_out, c_in, 4, 4))  # drawn as [out, in, k, k] for its scale, stored as [in, out, k, k]
+        out[name + ".weight"] = np.ascontiguousarray(out[name + ".weight"].transpose(1, 0, 2, 3))
+    conv("decoder.12", (1, widths[-1], 1, 1))
+    return out
