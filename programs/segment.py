@@ -38,7 +38,7 @@ class Segmentation:
     """One object of a segmentation answer: its label, its box in the image's pixels (``(x0, y0,
     x1, y1)``, as ``sgl.region`` takes it), the model's four location bins (y_min, x_min, y_max,
     x_max in 1024ths) and its 16 mask codes (row-major over a 4x4 grid: the input of
-    big_vision's VQ-VAE mask decoder, not a mask)."""
+    big_vision's VQ-VAE mask decoder: ``masks`` decodes them)."""
 
     label: str
     box: Box

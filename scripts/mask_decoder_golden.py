@@ -1,4 +1,4 @@
-"""Writes tests/data/paligemma_mask_decoder_golden.npy: the mask logits of big_vision's decoder,
+"""Writes tests/unit/paligemma_mask_decoder_golden.npy: the mask logits of big_vision's decoder,
 computed with JAX's convolutions called as big_vision's Flax modules call them (``nn.Conv``;
 ``nn.ConvTranspose`` with ``transpose_kernel=True`` and ``padding=2``, kernels transposed from
 the PyTorch layout by (2, 3, 1, 0)), for ``sgl_embeds_testing.paligemma.mask_decoder_weights(0)``
@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "data" / "paligemma_mask_decoder_golden.npy"
+GOLDEN = ROOT / "tests" / "unit" / "paligemma_mask_decoder_golden.npy"
 
 
 def weights() -> dict:

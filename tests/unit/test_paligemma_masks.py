@@ -15,7 +15,7 @@ from PIL import Image
 from sgl_embeds.vlm.paligemma_masks import MaskDecoder, mask_in_image
 from sgl_embeds_testing.paligemma import mask_decoder_weights
 
-GOLDEN = Path(__file__).resolve().parents[1] / "data" / "paligemma_mask_decoder_golden.npy"
+GOLDEN = Path(__file__).resolve().parent / "paligemma_mask_decoder_golden.npy"
 GOLDEN_CODES = [[3, 17, 127, 0, 64, 5, 9, 88, 1, 2, 100, 45, 77, 12, 30, 6],
                 [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
 

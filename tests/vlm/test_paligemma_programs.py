@@ -20,13 +20,14 @@ from PIL import Image
 import helpers
 import sgl_embeds
 from programs.detect import detect, detect_prompt, detection_regex, parse_detections
-from programs.segment import parse_segmentations, segment, segment_prompt, segmentation_regex
+from programs.segment import masks, parse_segmentations, segment, segment_prompt, segmentation_regex
 from sgl_embeds.vlm.paligemma import prompt_text
+from sgl_embeds.vlm.paligemma_masks import MaskDecoder
 from sgl_embeds.vlm.prompt import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.constrained import paligemma_constrained
 from sgl_embeds_testing.encoders import synthetic_scene
-from sgl_embeds_testing.paligemma import tiny_paligemma_dir
+from sgl_embeds_testing.paligemma import mask_decoder_weights, tiny_paligemma_dir
 
 SERVERS = {1: "paligemma", 2: "paligemma2"}
 LABELS = ["cat", "dog"]
@@ -94,6 +95,10 @@ def test_segment_parses_and_matches_hf_under_the_same_regex(servers, generation)
     assert cat.label == "cat" and len(cat.codes) == 16 and all(0 <= c < 128 for c in cat.codes)
     x0, y0, x1, y1 = cat.box
     assert 0 <= x0 < x1 <= image.width and 0 <= y0 < y1 <= image.height, cat
+    # its codes decoded (a decoder of vae-oid.npz's layout, random weights): a mask in its box only
+    (mask,) = masks([cat], MaskDecoder(mask_decoder_weights(0)), image.width, image.height)
+    assert mask.shape == (image.height, image.width) and mask[y0:y1, x0:x1].any()
+    assert mask.sum() == mask[y0:y1, x0:x1].sum()
     _check_like_hf(out, generation, segment_prompt("cat"), image, pattern,
                    f"PaliGemma {generation}, segment: ")
 
