@@ -21,7 +21,7 @@ from sgl_embeds_testing.server import Server, cpu_env
 GREEDY = {"temperature": 0.0}
 # A pooled server of each family served (tests/conftest.py): a text LLM, the Qwen-VL families served
 # natively (Qwen2.5-VL, Qwen3-VL, Qwen2-VL; NaN vision towers) and a split LLaVA-NeXT's LLM
-FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next")
+FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next", "paligemma", "gemma3_vlm")
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
 # output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
 # (SGLang then recomputes the whole prompt: no prefix-cache hit)

@@ -9,7 +9,7 @@ import base64
 import torch
 from hypothesis import strategies as st
 
-from sgl_embeds_protocol.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
+from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, CAUSAL, IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
 
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
 scalars = st.one_of(numbers, st.booleans(), st.none(), st.text(max_size=5))
@@ -96,6 +96,22 @@ def grid_spans(draw, info: dict) -> dict:
     return {"type": "embeds", "embeds": rows.to(draw(st.sampled_from(DTYPES))), **fields}
 
 
+# a span's attention: mostly unsaid (causal), some bidirectional, some of a bad value. A natively
+# served VLM refuses a block (tests/server/test_bidirectional_spans.py), so its spans are drawn
+# without one and its fuzzing keeps reaching its images and clips
+ATTENTIONS = [None, None, None, CAUSAL, BIDIRECTIONAL, BIDIRECTIONAL, "sideways", 1]
+
+
+def attended(spans, attentions: list):
+    """``spans`` with an ``attention`` field drawn from ``attentions`` (none where unsaid)."""
+    return st.tuples(spans, st.integers(0, 2**20)).map(
+        lambda pair: _with_attention(pair[0], attentions[pair[1] % len(attentions)]))
+
+
+def _with_attention(span: dict, attention) -> dict:
+    return span if attention is None else {**span, ATTENTION: attention}
+
+
 def held_spans(info: dict, handle: str):
     """A span by handle: the one the server holds (with its image grid or none) or an unknown one."""
     merge = info["vision"]["merge_size"] if info["vision"] else 2
@@ -116,6 +132,7 @@ def prompts(info: dict, handle: str):
     text = words.map(lambda t: {"type": "text", "text": t})
     ids = st.lists(one_id, min_size=1, max_size=3).map(lambda i: {"type": "input_ids", "input_ids": i})
     span = grid_spans(info) | held_spans(info, handle)
+    span = span if vision else attended(span, ATTENTIONS)
     start_id, end_id = (special[:2] if vision else [0, 0])
     opening = (st.lists(st.sampled_from(WORDS), max_size=2).map(lambda w: {"type": "text", "text": "".join(w) + VISION_TEXT[0]})
                | st.just({"type": "input_ids", "input_ids": [start_id]}))

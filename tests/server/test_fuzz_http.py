@@ -3,10 +3,11 @@ body, and a live server that answers a good request as HF does afterwards.
 
 Two fuzzers, on a server of every family served (``helpers.FAMILY_SERVERS``): random span fields
 (payloads well-formed or not) on /generate and the OpenAI routes; and random prompts: interleavings of text, ids (the vision start, end and pad ids
-included), spans with and without image and clip grids, and spans by handle, sent as JSON or as a
-binary body on /generate, /v1/completions and /v1/chat/completions. The outcomes are counted:
-some prompts must be served (images and clips on the Qwen-VL families) and some refused, and the
-grid and clip checks must be reached.
+included), spans with and without image and clip grids, spans by handle, and (off the natively
+served VLMs) spans attended as a block or given a bad ``attention``, sent as JSON or as a binary
+body on /generate, /v1/completions and /v1/chat/completions. The outcomes are counted: some
+prompts must be served (images and clips on the Qwen-VL families, blocks elsewhere) and some
+refused, and the grid, clip and attention checks must be reached.
 
 CI runs a fixed, derandomized set of examples; ``SGL_EMBEDS_FUZZ_EXAMPLES=N`` runs N random ones
 per fuzzer and server and prints the counts (``scripts/fuzz_long.sh``)."""
@@ -22,13 +23,19 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sglang as sgl
+
 import helpers
+import sgl_embeds
 from llava_harness import LlavaHarness
 from qwen_vl_harness import ask, assert_matches_hf, chat_text, grid_span, span_segments
+from sgl_embeds.vlm import image_prompt, render_chat
 from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
 from sgl_embeds_protocol import binary_body, wire
-from sgl_embeds_protocol.segments import GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
+from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
 from strategies import HELD_ROWS, payloads, prompts
 
 pytestmark = pytest.mark.beside_last_use  # where the servers of the families run anyway
@@ -49,7 +56,8 @@ ROUTES = {
 def _chat_parts(segments: list[dict]) -> list[dict]:
     """A prompt's text and spans as chat content parts (a chat has no ids parts: they are left out)."""
     parts = [{"type": "text", "text": s["text"]} if s["type"] == "text"
-             else {"type": "input_embeds", "input_embeds": s["embeds"], **{k: s[k] for k in GRID_FIELDS if k in s}}
+             else {"type": "input_embeds", "input_embeds": s["embeds"],
+                   **{k: s[k] for k in (*GRID_FIELDS, ATTENTION) if k in s}}
              for s in segments if s["type"] != "input_ids"]
     return parts or [{"type": "text", "text": "a"}]
 
@@ -78,6 +86,9 @@ CHECKS = {
     "give the span its": "span without a grid",
     "unknown span handle": "unknown handle",
     "outside the vocabulary": "ids",
+    "attention must be": "attention value",
+    "cannot be served here": "block refused",
+    "a block is prefilled in one step": "block too long",
 }
 OUTCOMES: dict[str, Counter] = {name: Counter() for name in helpers.FAMILY_SERVERS}
 
@@ -128,13 +139,16 @@ def served(servers, server_name):
 
 
 def _kinds(segments: list[dict]) -> set[str]:
-    """What spans a prompt holds: "image", "clip", "span" (no grid), "handle"."""
+    """What spans a prompt holds: "image", "clip", "span" (no grid), "handle", "block"
+    (bidirectional)."""
     kinds = set()
     for s in segments:
         if s["type"] == "embeds":
             kinds.add("image" if IMAGE_GRID in s else "clip" if VIDEO_GRID in s else "span")
             if isinstance(s["embeds"], dict):
                 kinds.add("handle")
+            if s.get(ATTENTION) == BIDIRECTIONAL:
+                kinds.add("block")
     return kinds
 
 
@@ -174,7 +188,23 @@ QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": t
 # check's; elsewhere served spans and the refusal of a grid
 GRID_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1")
 REACHED = {name: [("200 image",), ("200 clip",), GRID_CHECKS, ("4xx clip time",)] for name in QWEN_VL_CHECKPOINTS}
-REACHED_1D = [("200 span",), ("4xx grid on a 1-D model",)]
+REACHED["paligemma"] = [("200 span",), ("4xx grid on a 1-D model",), ("4xx attention value",)]  # every prompt a block
+# and, where a block can be attended, served blocks; a bad attention value refused
+REACHED_1D = [("200 span",), ("4xx grid on a 1-D model",), ("200 block",), ("4xx attention value",)]
+
+
+# the split Gemma families: the question each is asked after the fuzzing (Gemma 3's in its chat)
+SPLIT_GEMMAS = {
+    "paligemma": lambda backend: "caption en",
+    "gemma3_vlm": lambda backend: render_chat(backend.server_info.model.vision_dir, [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]),
+}
+
+
+@sgl.function
+def ask_about(s, text, image, image_token):
+    s += image_prompt(text, [image], image_token)
+    s += sgl.gen("answer", max_tokens=8, temperature=0)
 
 
 def _answers_like_hf(name: str, server, llava_dirs) -> None:
@@ -185,6 +215,17 @@ def _answers_like_hf(name: str, server, llava_dirs) -> None:
         text = chat_text(checkpoint, "what is the color of the object", 1)
         assert_matches_hf(ask(server, span_segments(text, [grid_span(checkpoint, image)])), checkpoint, text,
                           [image], name)
+    elif name in SPLIT_GEMMAS:
+        backend, question = sgl_embeds.connect(server.url), SPLIT_GEMMAS[name]
+        text = backend.vision_encoder.prompt_text(question(backend), 1)
+        out = backend.run(input_segments=sgl_embeds.compile_program(ask_about, like=backend, text=text, image=image,
+                                                                          image_token=backend.vision_encoder.image_token)[0],
+                          return_logprob=True, top_logprobs_num=ref.TOP_K,
+                          sampling_params={**helpers.GREEDY, "max_new_tokens": 8})
+        checkpoint, greedy, hf = (tiny_paligemma_dir(1), ref.paligemma_greedy, ref.hf_paligemma) \
+            if name == "paligemma" else (tiny_gemma3_dir(), ref.gemma3_greedy, ref.hf_gemma3)
+        ref.assert_vlm_matches_hf(out, lambda prefix=(): greedy(checkpoint, question(backend), [image], 8, prefix),
+                                  ref.eos_ids(hf(str(checkpoint))[0]), f"{name}: ", 6, min_distinct=2)
     elif name == "llava_next":
         harness = LlavaHarness(name, *llava_dirs(name), server)
         text = harness.text("what is the color of the object")
