@@ -29,7 +29,7 @@ import requests
 import torch
 from tqdm import tqdm
 
-from sgl_embeds.vlm.checkpoint import sglang_serves, split
+from sgl_embeds.vlm.checkpoint import SPLIT_VERSION, sglang_serves, split
 from sgl_embeds_protocol.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
@@ -129,11 +129,12 @@ def cache_root() -> Path:
 
 
 def checkpoint_key(checkpoint: Path, progress: bool = True) -> str:
-    """A BLAKE3 of every file of the checkpoint folder (names, sizes, bytes), with a progress
-    bar over the bytes."""
+    """A BLAKE3 of every file of the checkpoint folder (names, sizes, bytes) and of the split's
+    layout (``SPLIT_VERSION``), with a progress bar over the bytes."""
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(checkpoint).parts))
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(f"split v{SPLIT_VERSION}\0".encode())
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
               desc="[serve] hashing the checkpoint", disable=not progress) as bar:
         for p in files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sgl_embeds_protocol.info import TEXT, ServedModel
@@ -117,10 +117,30 @@ def served_titles() -> str:
             "serves")
 
 
-def family_file(family: str, vision_dir: str, image_token: str) -> str:
-    """The text of ``FAMILY_FILE`` for a split LLM; ``vision_dir``: relative to the LLM's folder."""
-    return json.dumps({"family": family, "vision_dir": vision_dir, "image_token": image_token},
-                      indent=2)
+@dataclass(frozen=True)
+class ImageText:
+    """How a split family's processor writes an image into a chat: the template writes
+    ``written`` for an image part, and the processor puts ``before``, the image's rows, ``after``
+    in its place (Gemma 3: ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``, the rows,
+    ``"<end_of_image>\\n\\n"``). The chat route renders an ``input_embeds`` part so."""
+
+    written: str
+    before: str
+    after: str
+
+    def expand(self, text: str, image: str) -> str:
+        """``text`` with each ``written`` replaced by ``before + image + after``."""
+        return text.replace(self.written, self.before + image + self.after)
+
+
+def family_file(family: str, vision_dir: str, image_token: str,
+                image_text: ImageText | None = None) -> str:
+    """The text of ``FAMILY_FILE`` for a split LLM; ``vision_dir``: relative to the LLM's folder;
+    ``image_text``: where the chat route renders a span part as an image."""
+    record = {"family": family, "vision_dir": vision_dir, "image_token": image_token}
+    if image_text is not None:
+        record["image_text"] = asdict(image_text)
+    return json.dumps(record, indent=2)
 
 
 def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> ServedModel:
@@ -147,6 +167,15 @@ def split_family(model_path: str | None) -> Family | None:
     asks on every request."""
     split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
     return family_of(split["family"]) if split is not None else None
+
+
+@functools.cache
+def split_image_text(model_path: str | None) -> ImageText | None:
+    """How the chat template's image part is expanded for the split LLM ``model_path``
+    (``ImageText``); None where its family has no such rule or the model is not a split."""
+    split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
+    image_text = split.get("image_text") if split is not None else None
+    return ImageText(**image_text) if image_text is not None else None
 
 
 def _read_family_file(path: str | None) -> dict | None:

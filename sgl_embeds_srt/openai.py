@@ -1,7 +1,8 @@
 """OpenAI-compatible routes with embeddings: ``/v1/completions`` and ``/v1/chat/completions``.
 
 ``completions_body`` / ``chat_body`` turn a body with span fields (``input_embeds``,
-``input_segments``, chat parts of type ``input_embeds``: with a grid, an image or a clip) into a
+``input_segments``, chat parts of type ``input_embeds``: with a grid, an image or a clip; on a
+split VLM with an ``ImageText`` (Gemma 3), an image as its processor writes one) into a
 stock body of token ids, chats rendered with the tokenizer's template, and its
 ``prompt_rows.PromptRows``; SGLang's own route serves it, and ``generate_request`` attaches the
 rows (docs/openai.md; docs/architecture.md, step 8).
@@ -9,11 +10,13 @@ rows (docs/openai.md; docs/architecture.md, step 8).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable
 
 from sgl_embeds_srt import parse, prompts
 from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.family import ImageText
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_protocol.keys import is_routing_text
 from sgl_embeds_srt.prompt_rows import PromptRows
@@ -83,6 +86,11 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
                 if span.grid is not None and spec.vision is not None:
                     vision_parts.append(len(spans))
                     parts.append({"type": "video" if span.grid.video else "image"})
+                elif spec.image_text is not None:  # a split VLM's image, as its processor writes one
+                    if spec.image_block and part.get(seg.ATTENTION) is None:
+                        span = dataclasses.replace(span, bidirectional=True)
+                    vision_parts.append(len(spans))
+                    parts.append({"type": "image"})
                 else:
                     parts.append({"type": "text", "text": seg.marker(len(spans))})
                 spans.append(span)
@@ -94,8 +102,10 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
         messages.append({**m, "content": parts if has_vision else flat})
         flat_messages.append({**m, "content": seg.strip_markers(flat)})
     rendered = chat_text(spec.tokenizer, messages, body)
-    if vision_parts:
+    if vision_parts and spec.vision is not None:
         rendered = _spans_at_pad_tokens(rendered, vision_parts, spans, spec)
+    elif vision_parts:
+        rendered = _spans_as_image_text(rendered, vision_parts, spec.image_text)
     segments = _segments_of_chat_text(rendered, spans)
     ids, prompt_rows = prompts.build_ids(segments, spec, specials_first=False)
     out["messages"] = flat_messages
@@ -122,6 +132,18 @@ def _spans_at_pad_tokens(rendered: str, vision_parts: list[int], spans: list[seg
                          f"parts with a grid [{kinds(wanted)}]: it must render each image and video "
                          "content part once, in order")
     return pieces[0] + "".join(seg.marker(k) + after for k, after in zip(vision_parts, pieces[2::2]))
+
+
+def _spans_as_image_text(rendered: str, vision_parts: list[int], image_text: ImageText) -> str:
+    """The rendered chat with each ``image_text.written`` the template wrote for an image part
+    replaced, in order, by that part's span between the processor's ``before`` and ``after``."""
+    pieces = rendered.split(image_text.written)
+    if len(pieces) - 1 != len(vision_parts):
+        raise ValueError(f"the chat template wrote {len(pieces) - 1} {image_text.written!r} for "
+                         f"{len(vision_parts)} input_embeds parts: each part is an image here, and the "
+                         f"text may not hold {image_text.written!r} itself")
+    return pieces[0] + "".join(image_text.before + seg.marker(k) + image_text.after + after
+                               for k, after in zip(vision_parts, pieces[1:]))
 
 
 def chat_text(tokenizer: Any, messages: list, body: dict) -> str:

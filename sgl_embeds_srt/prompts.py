@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from sgl_embeds_protocol import wire
-from sgl_embeds_protocol.family import split_family
+from sgl_embeds_protocol.family import ImageText, split_family, split_image_text
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_protocol.keys import keyed
@@ -39,6 +39,9 @@ class ModelSpec:
     prefix_lm: bool = False  # every prompt is one bidirectional block (family.Family.prefix_lm)
     blocks_refused: str | None = None  # why this server cannot attend a block both ways
     max_block: "BlockLimit | None" = None  # the most positions one block may hold, and why
+    # a split family's image as its processor writes it: the chat route renders span parts so
+    image_text: ImageText | None = None
+    image_block: bool = False  # each image one bidirectional block (family.Family.image_block)
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -47,7 +50,9 @@ class ModelSpec:
         family = split_family(args.model_path)
         return cls(mc.hidden_size, mc.dtype, mc.vocab_size, tm.context_len, tm.tokenizer, vision,
                    args.model_path, prefix_lm=family is not None and family.prefix_lm,
-                   blocks_refused=blocks_refused(args, mc, vision), max_block=block_limit(args, mc))
+                   blocks_refused=blocks_refused(args, mc, vision), max_block=block_limit(args, mc),
+                   image_text=split_image_text(args.model_path),
+                   image_block=family is not None and family.image_block)
 
     @property
     def span_width(self) -> int:

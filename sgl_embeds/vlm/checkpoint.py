@@ -37,6 +37,9 @@ from sgl_embeds_protocol.family import (
 )
 
 SHARD_BYTES = 4 << 30
+# what ``split`` writes, as a version: ``serve`` keys its split cache by it too, so a split of an
+# older layout is made again rather than served without what it lacks (2: FAMILY_FILE's image_text)
+SPLIT_VERSION = 2
 _LLM_FILES = ("generation_config.json",)
 
 
@@ -104,7 +107,8 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     template = _processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
-    (llm_dir / FAMILY_FILE).write_text(family_file(family.name, "../vision", vision.image_token))
+    image_text = vision.image_text if family.image_block else None  # the chat route's image parts
+    (llm_dir / FAMILY_FILE).write_text(family_file(family.name, "../vision", vision.image_token, image_text))
     if family.projector != MLP:  # PaliGemma, Gemma 3: one square image
         image_processor.save_pretrained(vision_dir)  # preprocessor_config.json
         size = vision.vision_config["image_size"]

@@ -24,6 +24,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 from sgl_embeds.vlm.files import GEMMA3_FORMAT as FORMAT
 from sgl_embeds.vlm.square import SquareImageEncoder
 from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.family import ImageText
 
 FAMILY = "gemma3"
 TOWER = "siglip_vision_model"  # the only tower type a Gemma 3 checkpoint has
@@ -55,6 +56,12 @@ class Gemma3Vision:
         if side * side != self.rows_per_image or side == 0 or patches % side:
             raise ValueError(f"mm_tokens_per_image {self.rows_per_image} is not a square whose "
                              f"side divides the tower's {patches} patches a side")
+
+    @property
+    def image_text(self) -> ImageText:
+        """How ``Gemma3Processor`` writes an image: each ``<start_of_image>`` becomes
+        ``"\\n\\n<start_of_image>"``, the image's rows, ``"<end_of_image>\\n\\n"``."""
+        return ImageText(self.boi_token, f"\n\n{self.boi_token}", f"{self.eoi_token}\n\n")
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2)
@@ -151,8 +158,7 @@ def prompt_text(text: str, vision: Gemma3Vision, images: int | None = None) -> s
     if vision.image_token in text or vision.eoi_token in text:
         raise ValueError(f"the prompt already holds {vision.image_token!r} or "
                          f"{vision.eoi_token!r}: write each image as one {vision.boi_token!r}")
-    image = f"\n\n{vision.boi_token}{vision.image_token}{vision.eoi_token}\n\n"
-    return text.removeprefix(vision.bos_token).replace(vision.boi_token, image)
+    return vision.image_text.expand(text.removeprefix(vision.bos_token), vision.image_token)
 
 
 def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma3Vision) -> seg.Prompt:

@@ -110,7 +110,9 @@ def test_split_writes_a_gemma3_causal_lm_with_the_processors_tokenizer():
     for token in ("<start_of_image>", "<image_soft_token>", "<end_of_image>", "<start_of_turn>"):
         assert len(tok.encode(token, add_special_tokens=False)) == 1, token
     assert json.loads((llm / FAMILY_FILE).read_text()) == {
-        "family": "gemma3", "vision_dir": "../vision", "image_token": "<image_soft_token>"}
+        "family": "gemma3", "vision_dir": "../vision", "image_token": "<image_soft_token>",
+        "image_text": {"written": "<start_of_image>", "before": "\n\n<start_of_image>",
+                       "after": "<end_of_image>\n\n"}}
     assert family_of("gemma3").image_block and not family_of("gemma3").prefix_lm
     assert (vision / "preprocessor_config.json").exists() and (vision / "chat_template.jinja").exists()
 

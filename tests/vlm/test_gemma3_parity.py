@@ -3,7 +3,8 @@ pooling projector on the client (``sgl_embeds.connect``), the LLM (sliding-windo
 positions beside full ones) in SGLang, each image's rows one bidirectional block. Greedy tokens and
 logprobs equal HF ``Gemma3ForConditionalGeneration`` (float32, eager) for one and two images and a
 box, with images cut by 10-position prefill chunks, after a cached repeat, and for a second question
-about the same image that hits the cache up to the question. HF's own answer changes when the
+about the same image that hits the cache up to the question; the chat route with the image's rows
+as a content part, directly and through SGLang's gateway. HF's own answer changes when the
 images are attended causally, so a block the server ignored would fail.
 """
 
@@ -12,14 +13,19 @@ from __future__ import annotations
 import functools
 
 import pytest
+import requests
 import sglang as sgl
 
 import helpers
 import sgl_embeds
+from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vlm import image_prompt, render_chat
+from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.segments import ATTENTION, CAUSAL
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+from sgl_embeds_testing.server import Gateway
 
 MAX_TOKENS, MIN_COMPARED = 10, 8
 SERVER, CHUNK = "gemma3_vlm", 10
@@ -81,16 +87,18 @@ def _blocks(segments: list) -> list[tuple[int, int]]:
     return blocks
 
 
-def _check(out: dict, chat: str, pixels: list, context: str) -> ref.Greedy:
+def _check(out: dict, chat: str, pixels: list, context: str, causal_images: bool = False) -> ref.Greedy:
+    """``out`` equal to HF's answer (its images attended as blocks, or with ``causal_images``
+    causally), which must differ from the answer under the other attention."""
     checkpoint = tiny_gemma3_dir()
     model, _ = ref.hf_gemma3(str(checkpoint))
     reference = ref.assert_vlm_matches_hf(
-        out, lambda prefix=(): ref.gemma3_greedy(checkpoint, chat, pixels, MAX_TOKENS, prefix),
+        out, lambda prefix=(): ref.gemma3_greedy(checkpoint, chat, pixels, MAX_TOKENS, prefix, causal_images),
         ref.eos_ids(model), context, MIN_COMPARED, min_distinct=2)
-    causal = ref.gemma3_greedy(checkpoint, chat, pixels, MAX_TOKENS, causal_images=True)
+    causal = ref.gemma3_greedy(checkpoint, chat, pixels, MAX_TOKENS, causal_images=not causal_images)
     assert causal.tokens != reference.tokens or max(
         abs(a - b) for a, b in zip(causal.logprobs, reference.logprobs)) > 100 * ref.LOGPROB_TOL, (
-        f"{context}HF's answer must change when the images are attended causally")
+        f"{context}HF's answer must change with how the images are attended")
     return reference
 
 
@@ -136,3 +144,55 @@ def test_a_cached_repeat_and_a_second_question_about_the_same_image(servers):
     image_end = _blocks(_segments(server, "Describe the colors.", [image]))[0][1]
     assert second["meta_info"]["cached_tokens"] >= image_end, "the image block must be reused"
     _check(second, second_chat, [image], "second question: ")
+
+
+def _chat_part_answer(url: str, model: str, rows, question: str, **part_fields) -> dict:
+    """The chat route's answer (as a /generate response) to ``question`` after the image's rows
+    as an ``input_embeds`` part."""
+    res = requests.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "return_token_ids": True,
+        "messages": [{"role": "user", "content": [
+            {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows), **part_fields},
+            {"type": "text", "text": question}]}]})
+    assert res.status_code == 200, res.text
+    return helpers.chat_as_generate(res.json())
+
+
+def test_the_chat_route_and_the_gateway_answer_as_hf_gemma3(servers):
+    """The chat route renders an ``input_embeds`` part as ``Gemma3Processor`` writes an image
+    (``"\\n\\n<start_of_image>"``, the rows as one block, ``"<end_of_image>\\n\\n"``): HF's tokens and
+    logprobs, directly and through smg (cache-aware) in front of the server; ``attention:
+    causal`` on the part gives HF's answer with the image attended causally. Through the gateway
+    a program's segments (``EmbedsEndpoint``: binary body, its own routing hint) answer as sent
+    directly, and a repeat hits the cache."""
+    server = servers.get(SERVER)[0]
+    image, question = helpers.random_image(40, 40, seed=31), "What is in the image?"
+    backend = _backend(server.url)
+    rows = backend.vision_encoder(image)
+    chat = _chat(backend, question, 1)
+    model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    direct = _chat_part_answer(server.url, model, rows, question)
+    _check(direct, chat, [image], "chat route: ")
+    causal = _chat_part_answer(server.url, model, rows, question, **{ATTENTION: CAUSAL})
+    _check(causal, chat, [image], "chat route, attention causal: ", causal_images=True)
+
+    gateway = Gateway([server.url]).start()
+    try:
+        through = _chat_part_answer(gateway.url, model, rows, question)
+        assert through["output_ids"] == direct["output_ids"]
+        _check(through, chat, [image], "chat route through the gateway: ")
+        written_by_hand = requests.post(gateway.url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)},
+                {"type": "text", "text": "<start_of_image>" + question}]}]})
+        assert written_by_hand.status_code == 400, written_by_hand.text
+        assert "the text may not hold '<start_of_image>'" in helpers.error_message(written_by_hand)
+        segments = _segments(server, question, [image])
+        sent = {"return_logprob": True, "top_logprobs_num": ref.TOP_K,
+                "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}}
+        answers = [EmbedsEndpoint(gateway.url).run(input_segments=segments, **sent) for _ in range(2)]
+        _check(answers[0], chat, [image], "a program's segments through the gateway: ")
+        assert answers[1]["output_ids"] == answers[0]["output_ids"]
+        assert answers[1]["meta_info"]["cached_tokens"] == answers[1]["meta_info"]["prompt_tokens"] - 1
+    finally:
+        gateway.stop()
