@@ -47,7 +47,9 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
     backend.vision_encoder = vision
     if folder is not None and "chat_template_name" not in endpoint_options:
         try:
-            backend.chat_template = model_chat_template(folder, vision.image_token)
+            backend.chat_template = model_chat_template(folder, vision.image_token,
+                                                        getattr(vision, "image_text", None),
+                                                        getattr(vision, "bos_token", None))
         except (FileNotFoundError, ValueError) as e:  # the prompt can still be rendered by hand
             warnings.warn(f"{e}; sgl.user / sgl.assistant keep SGLang's chat template "
                           f"{backend.chat_template.name!r}", stacklevel=2)

@@ -49,7 +49,9 @@ class VisionEncoder(Protocol):
     """Optional attributes: ``identity`` (names weights and settings, for ``EncoderCache``),
     ``mean_color`` (fills the outside of a mask), ``merge_size`` (checks rows against a grid) and
     ``family`` (the VLM family it is the vision half of: ``connect`` checks it, and an image span of
-    a family with ``Family.image_block`` is one bidirectional block)."""
+    a family with ``Family.image_block`` is one bidirectional block), ``image_text`` and
+    ``bos_token`` (how its processor expands an image part, and the bos its chat template writes
+    first: ``connect``'s chat template reads them)."""
 
     def __call__(self, image: Image.Image) -> torch.Tensor | VisionRows:  # rows: [n, hidden]
         ...

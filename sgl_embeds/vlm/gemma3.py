@@ -193,6 +193,17 @@ class Gemma3Encoder(SquareImageEncoder):
             text_config={"hidden_size": self.config.llm_hidden_size, "num_attention_heads": 1})
         return Gemma3MultiModalProjector(model_config)
 
+    @property
+    def image_text(self) -> ImageText:
+        """How the processor writes an image (``Gemma3Vision.image_text``): ``connect``'s chat
+        template writes an image part so."""
+        return self.config.image_text
+
+    @property
+    def bos_token(self) -> str:
+        """The bos the chat template writes first and the server writes instead."""
+        return self.config.bos_token
+
     def prompt_text(self, text: str, images: int | None = None) -> str:
         """``prompt_text`` with this checkpoint's tokens."""
         return prompt_text(text, self.config, images)

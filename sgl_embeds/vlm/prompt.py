@@ -17,6 +17,8 @@ from sglang.lang.chat_template import ChatTemplate
 from sglang.lang.ir import SglExpr
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from sgl_embeds_protocol.family import ImageText
+
 
 def render_chat(vision_dir: str | Path, messages: list[dict], add_generation_prompt: bool = True,
                 **template_vars: Any) -> str:
@@ -53,9 +55,24 @@ def image_prompt(text: str, images: Sequence[Any], image_token: str = "<image>")
 @dataclass
 class ModelChatTemplate(ChatTemplate):
     """SGLang's ``ChatTemplate`` read from a checkpoint's own (``model_chat_template``), with what
-    an image part writes before and after the image's rows (``image_part``)."""
+    an image part writes before and after the image's rows (``image_part``). ``system_in_user``:
+    the template writes a system turn's text at the start of the first user turn (Gemma's), so a
+    system turn opens that user turn (its prefix: the user's and the system's) and the user turn
+    right after it adds no prefix of its own."""
 
     image_part: tuple[str, str] = ("", "")
+    system_in_user: bool = False
+
+    def get_prefix_and_suffix(self, role: str, hist_messages: list[dict]) -> tuple[str, str]:
+        prefix, suffix = super().get_prefix_and_suffix(role, hist_messages)
+        if not self.system_in_user:
+            return prefix, suffix
+        if role == "system" and hist_messages:
+            raise ValueError(f"{self.name}: a system turn comes first (the template writes its text "
+                             "into the first user turn)")
+        if role == "user" and [m["role"] for m in hist_messages] == ["system"]:
+            return "", suffix
+        return prefix, suffix
 
 
 # What the roles' contents are rendered with to find where the template puts them (no whitespace,
@@ -63,15 +80,20 @@ class ModelChatTemplate(ChatTemplate):
 _USER, _OTHER_USER, _ASSISTANT, _SYSTEM = "SGLEMBEDSUSERA", "SGLEMBEDSUSERB", "SGLEMBEDSREPLY", "SGLEMBEDSSYSTEM"
 
 
-def model_chat_template(vision_dir: str | Path, image_token: str) -> ModelChatTemplate:
+def model_chat_template(vision_dir: str | Path, image_token: str, image_text: ImageText | None = None,
+                        bos_token: str | None = None) -> ModelChatTemplate:
     """The chat template of ``vision_dir`` (``render_chat``'s) as SGLang's: each role's prefix and
     suffix, the default system prompt, the assistant's prefix being the generation prompt (so a
     program's ``sgl.assistant(sgl.gen(...))`` asks exactly what HF's processor asks), and the text
-    an image part writes on each side of ``image_token``. ``ValueError`` for a template whose
-    roles are not a fixed prefix and suffix each (write the prompt with ``render_chat`` then)."""
+    an image part writes on each side of ``image_token``. ``image_text``: how the processor
+    expands what the template writes for an image part (Gemma 3's); ``bos_token``: a bos the
+    template writes first, left out (the server writes it: the first text is tokenized with the
+    tokenizer's special tokens). ``ValueError`` for a template whose roles are not a fixed prefix
+    and suffix each (write the prompt with ``render_chat`` then)."""
 
     def render(messages: list[dict], generation_prompt: bool = False) -> str:
-        return render_chat(vision_dir, messages, generation_prompt)
+        rendered = render_chat(vision_dir, messages, generation_prompt)
+        return rendered.removeprefix(bos_token) if bos_token else rendered
 
     def turn(role: str, text: str, image: bool = False) -> dict:  # contents as parts: HF's form
         return {"role": role, "content": [{"type": "image"}] * image + [{"type": "text", "text": text}]}
@@ -100,13 +122,25 @@ def model_chat_template(vision_dir: str | Path, image_token: str) -> ModelChatTe
                                    _ASSISTANT)
         with_system = render([turn("system", _SYSTEM), user(_USER)])
         system_prefix = between(with_system, "", _SYSTEM)
-        system_suffix = between(with_system, _SYSTEM, _USER).removesuffix(user_prefix)
+        system_suffix = between(with_system, _SYSTEM, _USER)
+        # the system text inside the first user turn (Gemma's), or a turn of its own before it
+        system_in_user = system_prefix.startswith(opening + user_prefix) and not system_suffix.endswith(user_prefix)
+        if system_in_user:
+            system_prefix = system_prefix.removeprefix(opening)
+            composed = system_prefix + _SYSTEM + system_suffix + _USER + user_suffix
+        else:
+            system_suffix = system_suffix.removesuffix(user_prefix)
+            composed = system_prefix + _SYSTEM + system_suffix + user_prefix + _USER + user_suffix
+        if with_system != composed:
+            raise fail("a system turn")
         default_system = None
         if opening:
-            if not (opening.startswith(system_prefix) and opening.endswith(system_suffix)):
+            if system_in_user or not (opening.startswith(system_prefix) and opening.endswith(system_suffix)):
                 raise fail("the default system turn")
             default_system = opening[len(system_prefix):len(opening) - len(system_suffix)]
         image = between(render([turn("user", _USER, image=True)]), user_prefix, _USER)
+        if image_text is not None:
+            image = image_text.expand(image, image_token)
     except ValueError as e:
         if "not a fixed prefix" in str(e):
             raise
@@ -120,4 +154,4 @@ def model_chat_template(vision_dir: str | Path, image_token: str) -> ModelChatTe
         name=f"sgl_embeds:{vision_dir}", default_system_prompt=default_system,
         role_prefix_and_suffix={"system": (system_prefix, system_suffix), "user": (user_prefix, user_suffix),
                                 "assistant": (generation_prompt, assistant_suffix)},
-        stop_str=(), image_token=image, image_part=(before, after))
+        stop_str=(), image_token=image, image_part=(before, after), system_in_user=system_in_user)

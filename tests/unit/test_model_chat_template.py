@@ -11,6 +11,7 @@ import sgl_embeds
 from sgl_embeds.vlm import render_chat
 from sgl_embeds.vlm.prompt import model_chat_template
 from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.family import ImageText
 
 # Qwen2-VL's form: a default system turn when none is given, an image as its vision tokens
 WITH_DEFAULT_SYSTEM = (
@@ -66,3 +67,44 @@ def test_a_template_without_a_fixed_prefix_per_role_is_refused(tmp_path, templat
 def test_a_template_without_one_image_token_per_image_is_refused(tmp_path):
     with pytest.raises(ValueError, match="an image part renders"):
         model_chat_template(_checkpoint(tmp_path, WITH_DEFAULT_SYSTEM), "<image>")
+
+
+def test_gemmas_system_in_the_first_user_turn_and_its_expanded_images(tmp_path):
+    """Gemma 3's template: the bos first (the server writes it), a system turn's text inside the
+    first user turn, an image part written as ``<start_of_image>`` that the processor expands."""
+    from sgl_embeds_testing.gemma3 import BOI, CHAT_TEMPLATE, EOI, IMAGE
+
+    folder = _checkpoint(tmp_path, CHAT_TEMPLATE.replace("{{ bos_token }}", "<bos>"))
+    image_text = ImageText(BOI, f"\n\n{BOI}", f"{EOI}\n\n")
+    template = model_chat_template(folder, IMAGE, image_text, "<bos>")
+    assert template.system_in_user and template.default_system_prompt is None
+    assert template.image_part == (f"\n\n{BOI}", f"{EOI}\n\n")
+
+    class Like:
+        chat_template, vision_encoder = template, None
+
+    @sgl.function
+    def with_system(s, rows):
+        s += sgl.system("Be brief.")
+        s += sgl.user(sgl_embeds.image_part(rows) + "what is it")
+        s += sgl.assistant(sgl.gen("a", max_tokens=2))
+        s += sgl.user("and its color")
+        s += sgl.assistant(sgl.gen("b", max_tokens=2))
+
+    calls = sgl_embeds.compile_program(with_system, like=Like(), rows=[[0.0] * 4])
+    texts = ["".join(s.text if isinstance(s, seg.Text) else IMAGE for s in call) for call in calls]
+    first = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]
+    assert texts[0] == image_text.expand(render_chat(folder, first), IMAGE).removeprefix("<bos>")
+    then = first + [{"role": "assistant", "content": [{"type": "text", "text": ""}]},
+                    {"role": "user", "content": [{"type": "text", "text": "and its color"}]}]
+    assert texts[1] == image_text.expand(render_chat(folder, then), IMAGE).removeprefix("<bos>")
+
+    @sgl.function
+    def late_system(s):
+        s += sgl.user("hello")
+        s += sgl.system("Be brief.")
+
+    # SGLang's interpreter turns a program's error into a warning (and the state's error)
+    with pytest.warns(UserWarning, match="a system turn comes first"):
+        sgl_embeds.compile_program(late_system, like=Like())

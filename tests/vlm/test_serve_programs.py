@@ -1,9 +1,10 @@
-"""Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5 and Qwen2.5-VL
-launched by ``python -m sgl_embeds serve`` and the split LLaVA-NeXT's LLM (pool servers
-``llava_llama``, ``qwen_vl``, ``llava_next``), through ``sgl_embeds.connect(url)``. For each, one
-of its calls is sent again with logprobs and its answer is the program's; the call's prompt is the
-one HF's processor renders for the same conversation (the model's own chat template and image
-text, written by ``connect``'s template and ``image_part``); and its tokens and logprobs equal
+"""Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5, Qwen2.5-VL and
+Gemma 3 launched by ``python -m sgl_embeds serve`` and the split LLaVA-NeXT's LLM (pool servers
+``llava_llama``, ``qwen_vl``, ``gemma3_vlm``, ``llava_next``), through ``sgl_embeds.connect(url)``.
+For each, one of its calls is sent again with logprobs and its answer is the program's; the call's
+prompt is the one HF's processor renders for the same conversation (the model's own chat template
+and image text, written by ``connect``'s template and ``image_part``; Gemma 3's images expanded as
+its processor expands them, each one block); and its tokens and logprobs equal
 HF's own VLM class on the pixels (greedy, float32), or for ``classify``'s ``select`` each label's
 score does, HF's reference changing with the image."""
 
@@ -20,6 +21,7 @@ import helpers
 import sgl_embeds
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir
 from sgl_embeds_testing.models import tiny_llava_dir
 from sgl_embeds_testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
@@ -52,6 +54,8 @@ FAMILIES = {
     "llava_next": Family("llava_next", tiny_llava_next_dir, **LLAVA),
     "qwen2_5_vl": Family("qwen_vl", tiny_qwen2_5_vl_dir, qwen_vl_greedy, qwen_vl_inputs,
                          lambda c: hf_qwen_vl(c)[0]),
+    "gemma3": Family("gemma3_vlm", tiny_gemma3_dir, ref.gemma3_greedy, ref.gemma3_inputs,
+                     lambda c: ref.hf_gemma3(c)[0]),
 }
 
 
@@ -161,11 +165,15 @@ def test_each_program_on_each_family_writes_the_models_prompt_and_answers_like_h
     state = case.program.run(**case.arguments, backend=backend)
     calls = sgl_embeds.compile_program(case.program, like=backend, **case.arguments)
     call = calls[case.pick(calls, encoder)]
-    text = _text(call, encoder.image_token)
+    ours = _text(call, encoder.image_token)
     vision_dir = backend.server_info.model.vision_dir
     if backend.server_info.model.served_as == "split":
         assert "serve-cache" in vision_dir  # split by `sgl_embeds serve` (conftest.py), not by the tests
-    assert text == render_chat(vision_dir, case.messages) + case.after, f"{name} on {family}: {text!r}"
+    # what HF's processor is given, and the prompt it expands it into (Gemma 3: each image its
+    # rows between its tokens, the bos written by the server)
+    text = render_chat(vision_dir, case.messages) + case.after
+    expanded = encoder.prompt_text(text) if hasattr(encoder, "prompt_text") else text
+    assert ours == expanded, f"{name} on {family}: {ours!r}"
     checkpoint = fam.checkpoint()
     label = f"{name} on {family}: "
     if case.program is classify:
