@@ -1,0 +1,146 @@
+"""Tiny random-weight Gemma 4 checkpoints (``Gemma4ForConditionalGeneration``, float32) as
+transformers saves them, with their ``Gemma4Processor`` and a Gemma-4-style chat template.
+
+Built once into ``models.py``'s cache with fixed seeds, in two layouts of the released models:
+
+- ``"e2b"`` (E2B / E4B): images attended causally (``use_bidirectional_attention`` None),
+  per-layer inputs (``hidden_size_per_layer_input`` > 0: a second embedding table looked up by
+  token id, added in every layer), the last layers reusing earlier layers' keys and values
+  (``num_kv_shared_layers`` > 0);
+- ``"31b"`` (26B-A4B / 31B): each image's soft tokens one bidirectional block on the sliding
+  layers only (``use_bidirectional_attention="vision"``), no per-layer inputs, full layers with
+  keys equal to values (``attention_k_eq_v``) and their own head width, and a mixture of experts
+  beside the dense MLP as 26B-A4B has (31B is dense).
+
+Both: a Gemma 4 vision tower (hidden 32, patches of 4 px pooled 3x3) whose image processor
+resizes each image, keeping its aspect ratio, to at most ``MAX_SOFT_TOKENS`` rows (63 to 70
+rows for the test images: a 32x32 image becomes 96x96 px, 64 rows); a text model of hidden 64,
+sliding and full layers, a sliding window (``SLIDING_WINDOW``) shorter than both an image and
+every test prompt. Weights scaled up from the default init so that greedy answers are varied and
+change with the image.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoTokenizer, Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor, Gemma4Processor, Gemma4TextConfig, Gemma4VideoProcessor,
+    Gemma4VisionConfig,
+)
+
+from sgl_embeds.serve import build_once
+from sgl_embeds_testing.models import TINY_HIDDEN, cache_dir, save_scaled_vlm, train_tokenizer
+
+GEMMA4_CACHE_VERSION = "v1"
+LAYOUTS = ("e2b", "31b")
+PATCH, POOLING = 4, 3  # patch side in pixels; patches pooled POOLING x POOLING into one row
+MAX_SOFT_TOKENS = 70  # the smallest budget Gemma4ImageProcessor allows: at most 70 rows an image
+SLIDING_WINDOW = 48  # shorter than an image's rows and than every test prompt
+LAYER_TYPES = {
+    "e2b": ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+            "sliding_attention", "full_attention"),
+    "31b": ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+            "full_attention"),
+}
+KV_SHARED_LAYERS = 2  # "e2b": layers 4 and 5 reuse layer 3's (sliding) and 2's (full) keys
+PER_LAYER_HIDDEN = 16  # "e2b": hidden_size_per_layer_input
+# Gemma 4's tokens (the released tokenizer's strings)
+BOI, IMAGE, EOI = "<|image>", "<|image|>", "<image|>"
+BOA, AUDIO, EOA = "<|audio>", "<|audio|>", "<audio|>"
+VIDEO = "<|video|>"
+TURN_START, TURN_END = "<|turn>", "<turn|>"
+# A chat template in Gemma 4's shape: the bos, turns as <|turn>{role}\n...<turn|>\n (the
+# assistant is "model"), an image part as the image token (the processor expands it)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<turn|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
+)
+# layout -> (seed, language-model weight scale, projector weight scale): picked so that the
+# greedy answers are varied, change with the image and with each mask rule the tests break
+_INIT = {"e2b": (7, 4.0, 1.0), "31b": (11, 4.0, 1.0)}
+EMBED_SCALE = 1.0  # the tied token embeddings keep the default init (gemma3.py)
+TOWER_SCALE = 8.0  # the vision tower's weights: patches that differ give rows that differ
+POSITION_STD = 1.0  # the tower's 2-D position table (all ones at init)
+LOGIT_SCALE = 8.0  # the final norm's gain: wider top-2 gaps (Gemma 4 multiplies by the weight)
+_POSITIONS = "model.vision_tower.patch_embedder.position_embedding_table"
+_FINAL_NORM = "model.language_model.norm.weight"
+
+
+def _text_config(layout: str, tok) -> Gemma4TextConfig:
+    layer_types = list(LAYER_TYPES[layout])
+    common = dict(
+        vocab_size=len(tok), hidden_size=TINY_HIDDEN, intermediate_size=128,
+        num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=SLIDING_WINDOW,
+        max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    if layout == "e2b":
+        return Gemma4TextConfig(
+            **common, hidden_size_per_layer_input=PER_LAYER_HIDDEN,
+            vocab_size_per_layer_input=len(tok), num_kv_shared_layers=KV_SHARED_LAYERS)
+    return Gemma4TextConfig(
+        **common, use_bidirectional_attention="vision", hidden_size_per_layer_input=0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def tiny_gemma4_dir(layout: str) -> Path:
+    """A tiny random-weight ``Gemma4ForConditionalGeneration`` (float32) of ``layout``
+    (``"e2b"`` or ``"31b"``, the module docstring) with its processor."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+    def build(tmp: Path) -> None:
+        train_tokenizer(tmp / "tokenizer", extra_specials=(
+            BOI, IMAGE, EOI, BOA, AUDIO, EOA, VIDEO, TURN_START, TURN_END))
+        tok = AutoTokenizer.from_pretrained(tmp / "tokenizer", extra_special_tokens={
+            "boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI, "boa_token": BOA,
+            "audio_token": AUDIO, "eoa_token": EOA})
+        shutil.rmtree(tmp / "tokenizer")
+        sizes = dict(patch_size=PATCH, pooling_kernel_size=POOLING, max_soft_tokens=MAX_SOFT_TOKENS)
+        processor = Gemma4Processor(
+            feature_extractor=Gemma4AudioFeatureExtractor(),
+            image_processor=Gemma4ImageProcessor(**sizes),
+            video_processor=Gemma4VideoProcessor(**sizes), tokenizer=tok,
+            chat_template=CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS)
+        vision = Gemma4VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=8, patch_size=PATCH, pooling_kernel_size=POOLING,
+            position_embedding_size=MAX_SOFT_TOKENS * POOLING + 1, standardize=(layout == "31b"))
+        config = Gemma4Config(
+            text_config=_text_config(layout, tok).to_dict(), vision_config=vision.to_dict(),
+            boi_token_id=tok.convert_tokens_to_ids(BOI), eoi_token_id=tok.convert_tokens_to_ids(EOI),
+            image_token_id=tok.convert_tokens_to_ids(IMAGE),
+            video_token_id=tok.convert_tokens_to_ids(VIDEO),
+            boa_token_id=tok.convert_tokens_to_ids(BOA), eoa_token_index=tok.convert_tokens_to_ids(EOA),
+            audio_token_id=tok.convert_tokens_to_ids(AUDIO))
+        save_scaled_vlm(Gemma4ForConditionalGeneration, config, _INIT[layout], tmp,
+                        embed_scale=EMBED_SCALE)
+        weights = load_file(str(tmp / "model.safetensors"))
+        torch.manual_seed(_INIT[layout][0])
+        for key in weights:
+            if key.startswith("model.vision_tower.encoder.") and "norm" not in key:
+                weights[key] *= TOWER_SCALE
+            elif key.startswith("model.embed_vision."):
+                weights[key] *= _INIT[layout][2]
+        weights[_POSITIONS] = torch.randn_like(weights[_POSITIONS]) * POSITION_STD
+        weights[_FINAL_NORM] *= LOGIT_SCALE
+        if layout == "31b":  # the standardization's bias and scale: zero and one at init
+            weights["model.vision_tower.std_bias"] = torch.randn(32) * 0.1
+            weights["model.vision_tower.std_scale"] = 1.0 + torch.randn(32) * 0.1
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        processor.save_pretrained(tmp)
+
+    return build_once(cache_dir() / f"tiny-gemma4-{layout}-{GEMMA4_CACHE_VERSION}", build)
