@@ -19,6 +19,7 @@ from typing import Callable, Collection, Iterator
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 NEAR_TIE = 1e-3
 # Every near-tie forgiven since the last reset, by context: tests/conftest.py resets it before each
@@ -575,3 +576,95 @@ def sliding_block_logits(model_dir: str | Path, inputs_embeds: torch.Tensor,
     masks = sliding_block_masks(inputs_embeds.shape[0], blocks, window)
     out = model(inputs_embeds=inputs_embeds.float()[None], attention_mask=masks, use_cache=False)
     return out.logits[0]
+
+
+# -- HF Gemma 4 as the reference for its two layouts ---------------------------------------------
+# Gemma 4 gives each image a variable number of soft-token rows (Gemma4Processor expands each
+# image token into <boi>, one image token per row, <eoi>). E2B/E4B attend them causally and look
+# the per-layer inputs of their positions up by the pad id; 26B/31B attend each image as one block
+# on the sliding layers only (use_bidirectional_attention="vision", blocks read from
+# mm_token_type_ids). Eager attention, as for Gemma 3.
+
+hf_gemma4 = hf_gemma3  # the same loader: the checkpoint's class (eager, float32) and processor
+
+
+def gemma4_inputs(checkpoint: str | Path, text: str, images: list) -> dict:
+    """What HF's processor builds for ``text`` (an image token where each image goes): each
+    expanded to ``<boi>``, one image token per row, ``<eoi>``; ``mm_token_type_ids`` 1 at the
+    image tokens; ``pixel_values`` and ``image_position_ids`` padded to the processor's patch
+    budget. A ``text`` that starts with the bos (a rendered chat) is tokenized without special
+    tokens, as ``apply_chat_template`` tokenizes it."""
+    _, processor = hf_gemma4(str(checkpoint))
+    specials = not text.startswith(processor.tokenizer.bos_token)
+    return dict(processor(images=images or None, text=text, add_special_tokens=specials,
+                          return_tensors="pt"))
+
+
+@contextlib.contextmanager
+def _gemma4_knobs(model, image_layer_ids: torch.Tensor | int | None,
+                  sliding_window: int | None) -> Iterator[None]:
+    """``model`` (HF Gemma 4) with its per-layer inputs at image positions looked up by
+    ``image_layer_ids`` instead of the pad id, and its sliding layers' window (masks and cache)
+    ``sliding_window``; None: as it is."""
+    text_model, text_config = model.model.language_model, model.config.text_config
+    lookup, window = text_model.get_per_layer_inputs, text_config.sliding_window
+
+    def wrong_ids(input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        # HF passes the ids with the pad id at every image position (and no pad anywhere else)
+        at_images = input_ids == text_config.pad_token_id
+        if at_images.any():
+            input_ids = torch.where(at_images, torch.as_tensor(image_layer_ids), input_ids)
+        return lookup(input_ids, inputs_embeds)
+
+    if image_layer_ids is not None:
+        text_model.get_per_layer_inputs = wrong_ids
+    if sliding_window is not None:
+        text_config.sliding_window = sliding_window
+    try:
+        yield
+    finally:
+        text_model.__dict__.pop("get_per_layer_inputs", None)
+        text_config.sliding_window = window
+
+
+@torch.no_grad()
+def gemma4_greedy(checkpoint: str | Path, text: str, images: list, max_new_tokens: int,
+                  prefix: list[int] = (), causal_images: bool = False,
+                  image_layer_ids: torch.Tensor | int | None = None,
+                  sliding_window: int | None = None,
+                  image_rows: list[torch.Tensor] | None = None) -> Greedy:
+    """HF ``generate`` of the checkpoint's Gemma 4 (float32, greedy) after ``text`` about
+    ``images`` (``gemma4_inputs``) and then ``prefix`` (tokens generated before, text).
+
+    The knobs, each a way the LLM half could go wrong: ``causal_images`` (no
+    ``mm_token_type_ids``: on a ``"vision"`` model the images attended causally);
+    ``image_layer_ids`` (the per-layer inputs of the image positions looked up by this id, or
+    ``[1, n]`` ids, instead of the pad id); ``sliding_window`` (the sliding layers' window).
+    ``image_rows``: each image's rows given precomputed (``mm_encoder_outputs``), not its pixels."""
+    if len(prefix) >= max_new_tokens:
+        return Greedy([], [], [])
+    model, _ = hf_gemma4(str(checkpoint))
+    placeholders = {model.config.image_token_id, model.config.video_token_id,
+                    model.config.audio_token_id}
+    if placeholders & set(prefix):
+        raise ValueError(f"the prefix {list(prefix)} holds a placeholder token of "
+                         f"{sorted(placeholders)}: HF Gemma 4 would read it as an image, video or "
+                         "audio position, so it cannot continue such a prefix")
+    inputs = gemma4_inputs(checkpoint, text, images)
+    if prefix:
+        extra = torch.tensor([list(prefix)])
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
+    if causal_images:
+        del inputs["mm_token_type_ids"]
+    if image_rows is not None:
+        del inputs["pixel_values"], inputs["image_position_ids"]
+        inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
+            pooler_output=tuple(r.float() for r in image_rows))}
+    with _gemma4_knobs(model, image_layer_ids, sliding_window):
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens - len(prefix),
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.text_config.pad_token_id)
+    return _greedy_from_scores(out.sequences, out.scores)
