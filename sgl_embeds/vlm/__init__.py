@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from sgl_embeds.vlm.files import (
-    ANYRES_FORMAT, CONFIG_NAME, GEMMA3_FORMAT, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type,
+    ANYRES_FORMAT, CONFIG_NAME, GEMMA3_FORMAT, GEMMA4_FORMAT, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type,
 )
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
@@ -54,20 +54,27 @@ def _gemma3(path: Path, device: str | torch.device | None) -> Any:
     return Gemma3Encoder(path, device=device)
 
 
+def _gemma4(path: Path, device: str | torch.device | None) -> Any:
+    from sgl_embeds.vlm.gemma4 import Gemma4Encoder  # lazy: the module docstring
+
+    return Gemma4Encoder(path, device=device)
+
+
 # The encoder of each natively served family (a checkpoint folder is its vision half)
 NATIVE_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
     family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
 # The encoder of a split family's vision/ folder, by the format its settings name
 SPLIT_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
     LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma,
-    GEMMA3_FORMAT: _gemma3}
+    GEMMA3_FORMAT: _gemma3, GEMMA4_FORMAT: _gemma4}
 
 
 def load_encoder(path: str | Path, device: str | torch.device | None = None) -> Any:
     """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
     (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
-    LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma, ``Gemma3Encoder`` for Gemma 3)."""
+    LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma, ``Gemma3Encoder`` for Gemma 3), or the
+    folder ``gemma4.write_vision_half`` writes (``Gemma4Encoder``)."""
     path = Path(path)
     found = model_type(path)
     if found in NATIVE_ENCODERS:

@@ -104,7 +104,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
         state["image_newline"] = tensors[parts.newline].contiguous()
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (vision_dir / CONFIG_NAME).write_text(vision.to_json())
-    template = _processor_chat_template(src)
+    template = processor_chat_template(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     image_text = vision.image_text if family.image_block else None  # the chat route's image parts
@@ -291,7 +291,7 @@ def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
     return processing, image_token, rows
 
 
-def _processor_chat_template(src: Path) -> str | None:
+def processor_chat_template(src: Path) -> str | None:
     if (src / "chat_template.jinja").exists():
         return (src / "chat_template.jinja").read_text()
     if (src / "chat_template.json").exists():
@@ -339,7 +339,7 @@ def _write_llm(src: Path, text, arch: str, tensors: Tensors, llm_keys: dict[str,
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(src)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = _processor_chat_template(src)
+        tokenizer.chat_template = processor_chat_template(src)
     tokenizer.save_pretrained(out)
     for name in _LLM_FILES:
         if (src / name).exists():

@@ -12,6 +12,7 @@ LLAVA_FORMAT = "sgl_embeds.llava_vision/1"  # LLaVA-1.5: tower.VisionConfig
 ANYRES_FORMAT = "sgl_embeds.llava_anyres_vision/1"  # LLaVA-NeXT / OneVision: anyres.AnyresConfig
 PALIGEMMA_FORMAT = "sgl_embeds.paligemma_vision/1"  # PaliGemma 1 and 2: paligemma.PaliGemmaVision
 GEMMA3_FORMAT = "sgl_embeds.gemma3_vision/1"  # Gemma 3: gemma3.Gemma3Vision
+GEMMA4_FORMAT = "sgl_embeds.gemma4_vision/1"  # Gemma 4 (vision half only): gemma4.Gemma4Vision
 
 
 def model_type(path: str | Path) -> str | None:
