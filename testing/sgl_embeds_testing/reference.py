@@ -613,7 +613,9 @@ def _gemma4_knobs(model, image_layer_ids: torch.Tensor | int | None,
         # HF passes the ids with the pad id at every image position (and no pad anywhere else)
         at_images = input_ids == text_config.pad_token_id
         if at_images.any():
-            input_ids = torch.where(at_images, torch.as_tensor(image_layer_ids), input_ids)
+            wrong = torch.as_tensor(image_layer_ids)
+            wrong = wrong[:input_ids.shape[-1]] if wrong.dim() else wrong  # ids by position
+            input_ids = torch.where(at_images, wrong, input_ids)
         return lookup(input_ids, inputs_embeds)
 
     if image_layer_ids is not None:
@@ -638,8 +640,8 @@ def gemma4_greedy(checkpoint: str | Path, text: str, images: list, max_new_token
 
     The knobs, each a way the LLM half could go wrong: ``causal_images`` (no
     ``mm_token_type_ids``: on a ``"vision"`` model the images attended causally);
-    ``image_layer_ids`` (the per-layer inputs of the image positions looked up by this id, or
-    ``[1, n]`` ids, instead of the pad id); ``sliding_window`` (the sliding layers' window).
+    ``image_layer_ids`` (the per-layer inputs of the image positions looked up by this id, or by
+    position in a 1-D tensor at least as long as the prompt, instead of the pad id); ``sliding_window`` (the sliding layers' window).
     ``image_rows``: each image's rows given precomputed (``mm_encoder_outputs``), not its pixels."""
     if len(prefix) >= max_new_tokens:
         return Greedy([], [], [])
