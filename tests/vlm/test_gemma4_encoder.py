@@ -48,10 +48,10 @@ def _encoder(layout: str) -> Gemma4Encoder:
     return load_encoder(_vision(layout)[1], device="cpu")
 
 
-def _chat(layout: str, images: int = 1) -> str:
-    """The tiny checkpoint's chat template, rendered: ``<s><|turn>user\\n<|image|>...``."""
+def _chat(layout: str, images: int = 1, bos: str = "") -> str:
+    """The tiny checkpoint's chat template, rendered: ``{bos}<|turn>user\\n<|image|>...``."""
     content = [{"type": "image"}] * images + [{"type": "text", "text": QUESTION}]
-    return render_chat(_vision(layout)[1], [{"role": "user", "content": content}])
+    return render_chat(_vision(layout)[1], [{"role": "user", "content": content}], bos_token=bos)
 
 
 def _images(n: int, seed: int = 0) -> list:
@@ -112,7 +112,9 @@ def test_the_segments_give_the_processors_ids(layout, images):
     (``mm_token_type_ids`` 1) and nowhere else."""
     src, _ = _vision(layout)
     encoder = _encoder(layout)
-    for text in (_chat(layout, images), TWO_IMAGES if images == 2 else "describe <|image|>"):
+    bos = ref.hf_gemma4(str(src))[1].tokenizer.bos_token  # HF then adds no special tokens
+    for text in (_chat(layout, images), _chat(layout, images, bos),
+                 TWO_IMAGES if images == 2 else "describe <|image|>"):
         pictures = _images(images)
         segments = encoder.prompt_segments([encoder(p) for p in pictures], text).segments
         assert [type(s) for s in segments] == [seg.Text, seg.Span] * images + [seg.Text]
