@@ -25,7 +25,8 @@ SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGL_EMBEDS_QWEN_VL_URL": "qwen_vl_spans",  # the tiny Qwen2.5-VL, NaN tower
                "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
                "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
-               "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2"}  # the tiny PaliGemma 2, served split
+               "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
+               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm"}  # the tiny Gemma 3, served split
 
 
 def _claims(book) -> list[str]:
