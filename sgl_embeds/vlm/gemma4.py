@@ -1,21 +1,10 @@
 """The vision half of a Gemma 4 checkpoint and its prompt rule (the LLM half is not served yet:
-there is no ``Family`` record for Gemma 4, so ``split`` refuses it and ``connect`` has no server).
+no ``Family`` record, so ``split`` refuses Gemma 4 and ``connect`` has no server for it).
 
-``write_vision_half(SRC, DST/vision)`` writes what ``Gemma4Encoder`` loads, in the layout
-``split`` gives the other families: the tower and projector weights (``tower.*``: transformers'
-``Gemma4VisionModel``; ``projector.*``: ``embed_vision``, a ``Gemma4MultimodalEmbedder``), the
-settings (``sgl_embeds_vision.json``), the image processor and the chat template.
-
-``Gemma4Encoder(DST/vision)`` (also ``load_encoder``): an image's rows as transformers 5.19's
-``get_image_features(...).pooler_output`` computes them for that image alone: the processor
-resizes the image, keeping its aspect ratio, to the largest size of whole ``pooling x patch``
-cells within ``max_soft_tokens`` rows (so the count of rows depends on the image's size:
-``rows_for``), the tower pools each cell of patches into one row (scaled by sqrt(tower width),
-standardized where the tower does), the projector RMS-normalizes it without a gain and projects
-it to the text model's width. The rows are not scaled by sqrt(hidden): HF puts them into the
-prompt as they are. The prompt as ``Gemma4Processor`` expands it: each image token becomes
-``<boi>``, the image's rows, ``<eoi>``, nothing around them. Images only: videos and audio are
-refused by name.
+``write_vision_half(SRC, DST/vision)`` writes the folder ``Gemma4Encoder`` (also ``load_encoder``)
+loads: per image, the rows of transformers 5.19's ``get_image_features(...).pooler_output``, as
+many as the processor gives that image's size (``rows_for``); the prompt as ``Gemma4Processor``
+expands it. Videos and audio are refused by name (docs/vision-encoders.md, section 9).
 """
 
 from __future__ import annotations

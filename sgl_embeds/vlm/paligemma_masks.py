@@ -5,6 +5,7 @@ VQ-VAE mask decoder into a 64x64 mask and placed in the object's box. The decode
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -66,9 +67,16 @@ class MaskDecoder(nn.Module):
 
     @classmethod
     def from_npz(cls, path: str | Path) -> "MaskDecoder":
-        """The decoder from ``vae-oid.npz`` (read as plain arrays: no pickle)."""
-        with np.load(path, allow_pickle=False) as arrays:
-            return cls({name: arrays[name] for name in arrays.files})
+        """The decoder from ``vae-oid.npz``, a zip of ``.npy`` arrays, each read by numpy's
+        ``read_array``, which refuses an array of Python objects (a pickle)."""
+        arrays = {}
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if not name.endswith(".npy"):
+                    raise ValueError(f"{path}: {name!r} is not an .npy array")
+                with archive.open(name) as f:
+                    arrays[name.removesuffix(".npy")] = np.lib.format.read_array(f)
+        return cls(arrays)
 
     @property
     def codes(self) -> int:
