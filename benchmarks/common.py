@@ -1,8 +1,9 @@
 """Shared pieces of the benchmarks: the two servers (same SGLang build, plugin on / off), the demo
 model's embedding table, timing helpers and the report table.
 
-The stock side is the same installed SGLang with the sgl_embeds plugin not loaded
-(``SGLANG_PLUGINS`` set to a name no plugin has), so both sides run identical engine code.
+The stock side is the same installed SGLang with the sgl_embeds plugin not loaded (``STOCK_ENV``:
+only the CPU kernels' plugin, which SGLang's CPU path needs to start, with SGLang's own attention),
+so both sides run identical engine code.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.server import Server
 
 RESULTS = Path(__file__).with_name("results")
+# Stock: ``SGLANG_PLUGINS`` filters the platform entry points too, so it names the CPU kernels'
+# plugin (its sgl_kernel stand-ins: without them a CPU server exits at startup, as it did here from
+# 4bb38f2 on) and not the span plugin; SGL_EMBEDS_CPU_ATTENTION=0 keeps SGLang's own attention.
+# On a GPU the CPU kernels' plugin does nothing.
+STOCK_ENV = {"SGLANG_PLUGINS": "sgl_embeds_cpu", "SGL_EMBEDS_CPU_ATTENTION": "0"}
 
 
 def make_server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32",
@@ -28,7 +34,7 @@ def make_server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str
     """A server (not started) on 127.0.0.1; ``env``: extra variables for it alone."""
     env = dict(env or {})
     if not plugin:
-        env["SGLANG_PLUGINS"] = "no-plugin-at-all"  # a whitelist that matches nothing
+        env.update(STOCK_ENV)
     return Server(model_dir, extra_args=list(extra), dtype=dtype, env=env)
 
 

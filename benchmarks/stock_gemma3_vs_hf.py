@@ -23,8 +23,8 @@ Stock here is SGLang with ``SGLANG_PLUGINS=sgl_embeds_cpu``: the span plugin (``
 not loaded. The CPU kernels' plugin is needed for SGLang's CPU path to start at all (it imports ops
 from ``sgl_kernel`` at import time and no CPU build of that is installable here): it makes our
 pure-torch stand-ins importable as ``sgl_kernel`` (its ``sglang.srt.platforms`` entry point).
-``SGLANG_PLUGINS`` filters both entry-point groups, so ``common.make_server``'s stock (a name no
-plugin has) exits at startup on CPU (``--no-cpu-kernels`` shows it). Of the CPU plugin's hooks,
+``SGLANG_PLUGINS`` filters both entry-point groups, so with no plugin at all a CPU server exits at
+startup (``--no-cpu-kernels`` shows it; ``common.STOCK_ENV`` says why). Of the CPU plugin's hooks,
 ``SGL_EMBEDS_CPU_ATTENTION=0`` drops our extend attention, so stock runs SGLang's own
 ``torch_native`` attention; the two left (a gated RMSNorm and a fused gate, Qwen3.5's) are not on
 Gemma 3's path.
@@ -50,7 +50,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from common import provenance, save, table
+from common import STOCK_ENV, provenance, save, table
 from sgl_embeds.serve import build_once
 from sgl_embeds.vlm import render_chat
 from sgl_embeds_testing import reference as ref
@@ -62,10 +62,7 @@ from sgl_embeds_testing.server import Server, ServerStartError
 MM_ARGS = ["--enable-multimodal", "--mm-attention-backend", "sdpa", "--enable-cache-report"]
 CHUNK = 10  # tests/vlm/test_gemma3_parity.py's chunk: cuts the two-image prompt's images
 SERVERS = {"default chunking": [], f"--chunked-prefill-size {CHUNK}": ["--chunked-prefill-size", str(CHUNK)]}
-# stock with the sgl_kernel stand-ins and SGLang's own attention; without them (what
-# common.make_server(plugin=False) launches): no plugin of either group
-STOCK_ENV = {"SGLANG_PLUGINS": "sgl_embeds_cpu", "SGL_EMBEDS_CPU_ATTENTION": "0"}
-NO_CPU_KERNELS_ENV = {"SGLANG_PLUGINS": "no-plugin-at-all"}
+NO_CPU_KERNELS_ENV = {"SGLANG_PLUGINS": "no-plugin-at-all"}  # no plugin of either entry-point group
 WHAT, BRIGHTER, COLORS = "What is in the image?", "Which one is brighter?", "Describe the colors."
 
 
