@@ -92,3 +92,46 @@ def test_eviction_and_retraction_keep_outputs_identical(llama_server, constraine
     # 8 concurrent requests of ~34 positions + 40 new tokens each need far more than 256 KV slots.
     helpers.assert_retraction_keeps_outputs(llama_server, constrained_server, lambda attempt: [
         [text("one two"), span(seeded_rows(500 + 10 * attempt + i, 30)), text(" three")] for i in range(8)])
+
+
+def test_a_cache_salt_or_extra_key_keeps_span_prompts_apart(llama_server):
+    """SGLang's own tenant fields on span prompts: a prompt sent with a ``cache_salt`` (or an
+    ``extra_key``) hits the cache only under the same value, on ``/generate`` (JSON and the
+    binary body) and on the chat route; another value, or none, starts from nothing."""
+    from sgl_embeds.backend import EmbedsEndpoint
+    from sgl_embeds_protocol.segments import Span, Text
+
+    rows = seeded_rows(131, 12)
+    segments = [text(A), span(rows), text(B)]
+    for field in ("cache_salt", "extra_key"):
+        first = generate(llama_server, body(segments, 2, **{field: f"tenant-a {field}"}))
+        assert _cached(first) == 0, f"{field}: a new tenant's first prompt"
+        again = generate(llama_server, body(segments, 2, **{field: f"tenant-a {field}"}))
+        assert _cached(again) == again["meta_info"]["prompt_tokens"] - 1, field
+        assert again["output_ids"] == first["output_ids"]
+        assert _cached(generate(llama_server, body(segments, 2, **{field: f"tenant-b {field}"}))) == 0, field
+    unsalted = generate(llama_server, body(segments, 2))
+    assert _cached(generate(llama_server, body(segments, 2))) == unsalted["meta_info"]["prompt_tokens"] - 1
+    assert _cached(generate(llama_server, body(segments, 2, cache_salt="tenant-c"))) == 0
+
+    endpoint = EmbedsEndpoint(llama_server.url)  # the binary body carries the field too
+    sent = [Text(A), Span(rows), Text(" and the binary body")]
+    params = {**helpers.GREEDY, "max_new_tokens": 2}
+    assert _cached(endpoint.run(input_segments=sent, sampling_params=params, cache_salt="tenant-d")) == 0
+    hit = endpoint.run(input_segments=sent, sampling_params=params, cache_salt="tenant-d")
+    assert _cached(hit) == hit["meta_info"]["prompt_tokens"] - 1
+    assert _cached(endpoint.run(input_segments=sent, sampling_params=params, cache_salt="tenant-e")) == 0
+
+    def chat(salt: str) -> int:
+        import requests
+
+        res = requests.post(llama_server.url + "/v1/chat/completions", timeout=120, json={
+            "model": "default", "max_tokens": 2, "temperature": 0, "cache_salt": salt,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": A}, {"type": "input_embeds", "input_embeds": span(rows)["embeds"]}]}]})
+        assert res.status_code == 200, res.text
+        return res.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert chat("tenant-f") == 0
+    assert chat("tenant-f") > rows.shape[0]
+    assert chat("tenant-g") == 0
