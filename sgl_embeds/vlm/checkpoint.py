@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from sgl_embeds.vlm import gemma3, paligemma
 from sgl_embeds.vlm.anyres import checkpoint_settings
 from sgl_embeds.vlm.pixels import ImageProcessing
+from sgl_embeds.vlm.prompt import chat_template_of
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
@@ -292,11 +293,9 @@ def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
 
 
 def processor_chat_template(src: Path) -> str | None:
-    if (src / "chat_template.jinja").exists():
-        return (src / "chat_template.jinja").read_text()
-    if (src / "chat_template.json").exists():
-        return _read_json(src / "chat_template.json").get("chat_template")
-    return None
+    """The checkpoint's chat template, wherever transformers would read it (``prompt.chat_template_of``):
+    the split's vision folder keeps it as ``chat_template.jinja``."""
+    return chat_template_of(src)
 
 
 def _untied(llm_keys: dict[str, str], tensors: Tensors, text_config) -> dict[str, str]:

@@ -8,6 +8,7 @@ are HF's processor's; ``model_chat_template`` reads the template as SGLang's ``C
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,16 +21,38 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from sgl_embeds_protocol.family import ImageText
 
 
+# Where a checkpoint keeps its chat template, in the order transformers reads them: the
+# processor's own file, its older JSON form, then the tokenizer's config (published Qwen-VL
+# repositories carry the last two, no .jinja)
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def chat_template_of(folder: str | Path) -> str | None:
+    """The chat template of the checkpoint (or split vision) ``folder`` (``TEMPLATE_FILES``;
+    of a tokenizer's named templates, the ``default``); None where it has none."""
+    folder = Path(folder)
+    if (folder / TEMPLATE_FILES[0]).exists():
+        return (folder / TEMPLATE_FILES[0]).read_text()
+    for name in TEMPLATE_FILES[1:]:
+        template = json.loads((folder / name).read_text()).get("chat_template") if (folder / name).exists() else None
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str):
+            return template
+    return None
+
+
 def render_chat(vision_dir: str | Path, messages: list[dict], add_generation_prompt: bool = True,
                 **template_vars: Any) -> str:
     """The prompt text the checkpoint's processor would build for ``messages`` (image parts are
-    ``{"type": "image"}``), rendered by transformers' own chat-template renderer."""
-    path = Path(vision_dir) / "chat_template.jinja"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the checkpoint had no chat template; "
-                                "write the prompt text yourself")
+    ``{"type": "image"}``), rendered by transformers' own chat-template renderer from the
+    template ``chat_template_of`` finds."""
+    template = chat_template_of(vision_dir)
+    if template is None:
+        raise FileNotFoundError(f"{vision_dir} has no chat template (none of {', '.join(TEMPLATE_FILES)} "
+                                "holds one): the checkpoint had none; write the prompt text yourself")
     rendered, _ = render_jinja_template(
-        conversations=[messages], chat_template=path.read_text(),
+        conversations=[messages], chat_template=template,
         add_generation_prompt=add_generation_prompt, **template_vars,
     )
     return rendered[0]

@@ -108,3 +108,33 @@ def test_gemmas_system_in_the_first_user_turn_and_its_expanded_images(tmp_path):
     # SGLang's interpreter turns a program's error into a warning (and the state's error)
     with pytest.warns(UserWarning, match="a system turn comes first"):
         sgl_embeds.compile_program(late_system, like=Like())
+
+
+@pytest.mark.parametrize("layout", ["chat_template.jinja", "chat_template.json", "tokenizer_config.json",
+                                    "tokenizer_config.json, named"])
+def test_the_template_is_read_where_published_checkpoints_keep_it(tmp_path, layout):
+    """Published Qwen-VL repositories keep the template in chat_template.json and in
+    tokenizer_config.json (no .jinja): each is read, in transformers' order, and renders alike."""
+    import json
+
+    from sgl_embeds.vlm.prompt import chat_template_of
+
+    file = layout.split(",")[0]
+    if file.endswith(".jinja"):
+        (tmp_path / file).write_text(WITH_DEFAULT_SYSTEM)
+    elif layout.endswith("named"):  # a tokenizer's named templates: the default one is the chat's
+        (tmp_path / file).write_text(json.dumps({"chat_template": [
+            {"name": "tool_use", "template": FIRST_TURN_SPECIAL}, {"name": "default", "template": WITH_DEFAULT_SYSTEM}]}))
+    else:
+        (tmp_path / file).write_text(json.dumps({"chat_template": WITH_DEFAULT_SYSTEM}))
+    assert chat_template_of(tmp_path) == WITH_DEFAULT_SYSTEM
+    assert model_chat_template(tmp_path, "<|image_pad|>").image_part == ("<|vision_start|>", "<|vision_end|>")
+    if file != "chat_template.jinja":  # the processor's own file comes first
+        (tmp_path / "chat_template.jinja").write_text(LAST_TURN_SPECIAL)
+        assert chat_template_of(tmp_path) == LAST_TURN_SPECIAL
+
+
+def test_a_checkpoint_without_a_template_says_where_it_looked(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 8}')
+    with pytest.raises(FileNotFoundError, match="chat_template.jinja, chat_template.json, tokenizer_config.json"):
+        render_chat(tmp_path, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
