@@ -71,6 +71,25 @@ def family_args(native_vlm: bool) -> list[str]:
     return ["--enable-multimodal", *(["--mm-attention-backend", "sdpa"] if on_cpu() else [])]
 
 
+# The variable SGLang reads the dtype of a hybrid model's conv state from (bfloat16 by default)
+CONV_DTYPE_VAR = "SGLANG_MAMBA_CONV_DTYPE"
+
+
+def hybrid_env(args: list[str]) -> dict[str, str]:
+    """A hybrid (Gated DeltaNet) model served in float32 keeps its conv state in float32 too, as
+    HF does: SGLang's bfloat16 default moved its logprobs by 9.4e-3 on the tiny Qwen3.5 (2.9e-6 in
+    float32). Empty for another dtype, or where the caller's environment says."""
+    dtype = None  # the last --dtype wins, as in SGLang's argument parser
+    for i, arg in enumerate(args):
+        if arg == "--dtype" and i + 1 < len(args):
+            dtype = args[i + 1]
+        elif arg.startswith("--dtype="):
+            dtype = arg.split("=", 1)[1]
+    if dtype in ("float32", "float") and CONV_DTYPE_VAR not in os.environ:
+        return {CONV_DTYPE_VAR: "float32"}
+    return {}
+
+
 @dataclass(frozen=True)
 class Launch:
     """What ``serve`` runs: the served folder, SGLang's arguments, the environment it adds."""
@@ -111,7 +130,10 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
         llm = split_dir(checkpoint, progress, make=not dry_run) / "llm"
         return Launch(model_type, llm, [*machine_args(), *flags], env)
     if served_as == NATIVE:
-        return Launch(model_type, checkpoint, [*machine_args(), *family_args(True), *flags], env)
+        args = [*machine_args(), *family_args(True), *flags]
+        if family.hybrid:
+            env.update(hybrid_env(args))
+        return Launch(model_type, checkpoint, args, env)
     arch = (config.get("architectures") or [""])[0]
     if family is None and arch.endswith("ForCausalLM") and sglang_serves(arch):
         return Launch(None, checkpoint, [*machine_args(), *flags], env)

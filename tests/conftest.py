@@ -153,10 +153,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # Qwen3.5 (hybrid: Gated DeltaNet + full attention; tests/vlm/test_qwen3_5.py): NaN vision
         # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks
         # and spans are cut; a small state pool, and a KV pool of 256 positions, so that concurrent
-        # requests retract; the conv state in float32 (SGLang's default bfloat16 moved logprobs
-        # by up to 4e-3 from HF's)
+        # requests retract; the conv state in float32 as serve sets it for a float32 model
+        # (serve.hybrid_env: SGLang's default bfloat16 moved logprobs by up to 4e-3 from HF's)
         "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), via_serve=True,
-                                  env={**served["env"], "SGLANG_MAMBA_CONV_DTYPE": "float32"},
+                                  env=served["env"],
                                   extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
         # Qwen3.5-MoE (its LLM's MLPs mixtures of experts), likewise: one parity test
         "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),

@@ -120,6 +120,8 @@ def test_dry_run_prints_each_familys_launch_line_and_makes_nothing(name, split_c
     model = Path(argv[argv.index("--model-path") + 1])
     assert argv[argv.index("-m") + 1] == "sglang.launch_server" and argv[-2:] == ["--port", "1234"]
     assert ("--enable-multimodal" in argv) == native
+    # a hybrid model's conv state in the served dtype (float32 on CPU), as the tests serve it
+    assert ("SGLANG_MAMBA_CONV_DTYPE=float32" in line.split(": ", 1)[1]) == (name == "qwen3_5"), line
     if family_name in family.names(family.SPLIT):  # the split's folder named, not made
         assert model.parent.parent == split_cache and model.name == "llm"
         assert f"would be split into {model.parent}" in "\n".join(out) and not split_cache.exists()
@@ -135,3 +137,16 @@ def test_launch_prints_the_command_and_says_why_a_server_did_not_start(tmp_path,
     printed = capsys.readouterr().out
     assert printed.startswith(f"$ {sys.executable} -m sgl_embeds serve {tmp_path} --host 127.0.0.1 --port ")
     assert printed.rstrip().endswith("--log-level error")
+
+
+@pytest.mark.parametrize("flags, env, conv", [
+    ([], {}, "float32"), (["--dtype", "bfloat16"], {}, None), (["--dtype=bfloat16"], {}, None),
+    (["--dtype", "bfloat16", "--dtype", "float32"], {}, "float32"),
+    ([], {"SGLANG_MAMBA_CONV_DTYPE": "bfloat16"}, None)])
+def test_a_hybrid_models_conv_state_follows_the_served_dtype(split_cache, monkeypatch, flags, env, conv):
+    """On CPU (float32 unless the flags say), unless the caller's environment already says."""
+    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launch = serve.plan(tiny_qwen3_5_dir(), flags, progress=False)
+    assert launch.env.get("SGLANG_MAMBA_CONV_DTYPE") == conv
