@@ -31,10 +31,17 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_SPAN_BYTES = 256 * 1024 * 1024  # per tensor, as decoded float32
 MAX_ROWS = 1 << 20
+BUDGET_VAR = "SGL_EMBEDS_MAX_BYTES"  # the server's budget of one request's spans (sgl_embeds_srt.parse)
 
 
 class WireError(ValueError):
     """A tensor payload that cannot be decoded; the message says what is wrong."""
+
+
+def too_big(what: str, max_bytes: int) -> WireError:
+    """The refusal of spans over the budget, naming the setting that sizes it."""
+    return WireError(f"{what} exceed the size limit of {max_bytes} bytes (counted as float32; the "
+                     f"server's {BUDGET_VAR}, default {MAX_SPAN_BYTES}, bounds all of a request's spans)")
 
 
 def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:
@@ -109,7 +116,7 @@ def decode_tensor(obj: Any, max_bytes: int = MAX_SPAN_BYTES) -> torch.Tensor:
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         t = as_2d_tensor(obj)
         if t.numel() * 4 > max_bytes:
-            raise WireError(f"embeddings of shape {list(t.shape)} exceed the size limit of {max_bytes} bytes")
+            raise too_big(f"embeddings of shape {list(t.shape)}", max_bytes)
     elif isinstance(obj, dict):
         t = decode_binary(obj, max_bytes)
     elif isinstance(obj, list):
@@ -172,7 +179,7 @@ def declared_size(name: Any, shape: Any, max_bytes: int) -> tuple[list[int], int
     if len(shape) == 1:
         shape = [1, shape[0]]
     if math.prod(shape) * 4 > max_bytes:
-        raise WireError(f"embeddings of shape {shape} exceed the size limit of {max_bytes} bytes")
+        raise too_big(f"embeddings of shape {shape}", max_bytes)
     return shape, math.prod(shape) * DTYPES[name].itemsize
 
 
@@ -183,7 +190,7 @@ def decode_json_lists(obj: list, max_bytes: int) -> torch.Tensor:
     rows = obj if isinstance(obj[0], (list, tuple)) else [obj]
     width = len(rows[0])
     if len(rows) * width * 4 > max_bytes:
-        raise WireError(f"embeddings of {len(rows)} x {width} exceed the size limit of {max_bytes} bytes")
+        raise too_big(f"embeddings of {len(rows)} x {width}", max_bytes)
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)):
             raise WireError(f"row {i} is a {type(row).__name__}, expected a list of numbers")

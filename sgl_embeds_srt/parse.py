@@ -27,7 +27,7 @@ SPAN_TYPE = "embeds"  # a span segment's type, and the field holding its tensor
 
 def max_span_bytes() -> int:
     """Decoded float32 bytes allowed in one request's spans (``SGL_EMBEDS_MAX_BYTES``)."""
-    return int(os.environ.get("SGL_EMBEDS_MAX_BYTES", wire.MAX_SPAN_BYTES))
+    return int(os.environ.get(wire.BUDGET_VAR, wire.MAX_SPAN_BYTES))
 
 
 def has_span_fields(body: dict) -> bool:
