@@ -33,7 +33,8 @@ class EmbedsEndpoint(RuntimeEndpoint):
     """Backend for programs with ``sgl.embeds`` / ``sgl.region`` against a server running the
     sgl_embeds plugin, or a gateway in front of several. ``wire_format`` is ``"base64"`` (raw
     bytes, default) or ``"json"``; ``wire_dtype`` picks float32/float16/bfloat16 for base64
-    (default: the tensor's own); with base64, ``run`` sends span rows in a binary body where the
+    (default: the rows' own, or the served model's where it is narrower: the server casts them
+    so anyway, so a bfloat16 server gets half float32's bytes and the same answer); with base64, ``run`` sends span rows in a binary body where the
     server takes one, unless ``send_binary`` is False. ``span_handles``: name a span sent before
     by its handle (see ``writer.py``). ``vision_encoder`` encodes ``sgl.image`` / ``sgl.region``
     client-side; its outputs are kept in ``encoder_cache`` (an ``EncoderCache`` of
@@ -68,7 +69,8 @@ class EmbedsEndpoint(RuntimeEndpoint):
         self.hidden_size: int = self.server_info.hidden_size
         # a span's row width: the hidden size, with a Qwen3-VL's deepstack rows after it
         self.span_width: int = self.server_info.span_width
-        writer = SpanWriter(self.span_width, wire_format, wire_dtype, HeldSpans() if span_handles else None)
+        writer = SpanWriter(self.span_width, wire_format, wire_dtype, HeldSpans() if span_handles else None,
+                            served_dtype=self.server_info.dtype)
         takes_binary = (send_binary and wire_format == "base64"
                         and self.server_info.binary_body == binary_body.CONTENT_TYPE)
         # the stock calls' address (RuntimeEndpoint.base_url) is the sender's too

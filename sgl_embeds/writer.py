@@ -61,10 +61,22 @@ class SpanWriter:
     Without ``held`` every span goes inline and no body asks the server to hold one."""
 
     def __init__(self, hidden_size: int, wire_format: str = "base64", wire_dtype: str | None = None,
-                 held: HeldSpans | None = None) -> None:
+                 held: HeldSpans | None = None, served_dtype: str | None = None) -> None:
         self.hidden_size = hidden_size
         self.wire_format, self.wire_dtype = wire_format, wire_dtype
         self.held = held
+        # rows wider than the served model's dtype go narrowed to it (the server casts them so
+        # anyway: the same answer for fewer bytes); without a wire_dtype, others as they are
+        self.served_dtype = served_dtype if served_dtype in wire.DTYPES else None
+
+    def dtype_for(self, x: Any) -> str | None:
+        """The wire dtype of the rows ``x``: ``wire_dtype`` where given; else the served dtype for
+        rows wider than it; else None (their own)."""
+        if self.wire_dtype is not None or self.served_dtype is None:
+            return self.wire_dtype
+        own = x.dtype if isinstance(x, torch.Tensor) else torch.float32
+        served = wire.DTYPES[self.served_dtype]
+        return self.served_dtype if own.is_floating_point and own.itemsize > served.itemsize else None
 
     def fields(self, field: str, prompts: list, batch: bool, check_values: bool = True,
                raw_rows: bool = False) -> dict:
@@ -138,11 +150,11 @@ class SpanWriter:
 
     def _wire_tensor(self, x: Any) -> torch.Tensor:
         """The rows as the server decodes them (their handle is the server's): wire dtype, CPU."""
-        return wire.as_wire_tensor(x, self.wire_format, self.wire_dtype)
+        return wire.as_wire_tensor(x, self.wire_format, self.dtype_for(x))
 
     def _encode(self, rows: torch.Tensor, raw_rows: bool) -> Any:
         """Inline rows as the body's "embeds": the wire form, or the rows themselves."""
-        return rows if raw_rows else wire.encode_tensor(rows, self.wire_format, self.wire_dtype)
+        return rows if raw_rows else wire.encode_tensor(rows, self.wire_format, self.dtype_for(rows))
 
 
 def _plain_segment(s: Any, j: int) -> dict:

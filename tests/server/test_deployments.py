@@ -9,7 +9,9 @@ import requests
 import torch
 
 from helpers import body, seeded_rows, span, text
+from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.segments import Span, Text
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.server import Server, on_cpu, start_all, stop_all
 
@@ -88,3 +90,12 @@ def test_full_prompt_embeds_on_a_bfloat16_model_without_disabling_the_cache(depl
                           dtype=torch.bfloat16, near_tie=0.05)
     info = requests.get(bf16_server.url + "/sgl_embeds/info", timeout=30).json()
     assert info["dtype"] == "bfloat16"
+    # a client sends float32 rows in the served bfloat16 unless told: half the bytes, the same answer
+    endpoint = EmbedsEndpoint(bf16_server.url)
+    assert endpoint.writer.dtype_for(x) == "bfloat16"
+    segments = [Text("Look at"), Span(x), Text(" then")]
+    params = {"temperature": 0, "max_new_tokens": 6}
+    as_served = endpoint.run(input_segments=segments, sampling_params=params)
+    as_float32 = EmbedsEndpoint(bf16_server.url, wire_dtype="float32").run(input_segments=segments,
+                                                                            sampling_params=params)
+    assert as_served["output_ids"] == as_float32["output_ids"]

@@ -177,3 +177,16 @@ def test_a_refusal_sent_before_the_body_is_read_is_the_answer():
     res = _post_bytes(f"http://127.0.0.1:{listener.getsockname()[1]}/generate", parts,
                       {"Content-Type": binary_body.CONTENT_TYPE}, None)
     assert res.status_code == 415 and "Content-Type" in res.json()["error"]
+
+
+def test_rows_wider_than_the_served_dtype_go_narrowed_to_it():
+    """float32 rows to a bfloat16 server go in bfloat16 (the server casts them so anyway); rows
+    no wider go as they are; a wire_dtype the user gives wins; a float32 server changes nothing."""
+    from sgl_embeds.writer import SpanWriter
+
+    f32, f16, bf16 = rows(1, 2), rows(2, 2, torch.float16), rows(3, 2, torch.bfloat16)
+    to_bf16 = SpanWriter(HIDDEN, served_dtype="bfloat16")
+    assert [to_bf16.dtype_for(x) for x in (f32, f16, bf16, f32.numpy())] == ["bfloat16", None, None, "bfloat16"]
+    assert to_bf16._wire_tensor(f32).dtype == torch.bfloat16 and same_bits(to_bf16._wire_tensor(f16), f16)
+    assert SpanWriter(HIDDEN, wire_dtype="float32", served_dtype="bfloat16").dtype_for(f32) == "float32"
+    assert [SpanWriter(HIDDEN, served_dtype="float32").dtype_for(x) for x in (f32, bf16)] == [None, None]
