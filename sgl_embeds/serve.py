@@ -117,10 +117,10 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
          dry_run: bool = False) -> Launch:
     """The launch of ``checkpoint`` (splitting a LLaVA one first, once, unless ``dry_run``);
     ``ServeError`` for a family it does not serve."""
-    checkpoint = Path(checkpoint)
+    checkpoint = checkpoint_folder(checkpoint, download=not dry_run)
     config_path = checkpoint / "config.json"
     if not config_path.exists():
-        raise ServeError(f"{config_path} is missing: CHECKPOINT is an HF checkpoint folder")
+        raise ServeError(f"{config_path} is missing: CHECKPOINT is an HF checkpoint folder or hub id")
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
     family = family_of(model_type)
@@ -140,6 +140,34 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
     why = f": {family.refused}" if served_as == REFUSED else ""
     raise ServeError(f"{checkpoint}: model_type {model_type!r} ({arch or 'no architecture'}) is not "
                      f"served{why}; served: {served_titles()}")
+
+
+def checkpoint_folder(checkpoint: str | Path, download: bool = True) -> Path:
+    """``checkpoint`` as a folder: a folder as it is; a hub id (``org/name``, as
+    ``sglang.launch_server`` takes) from the local Hugging Face cache, else downloaded (unless
+    ``download`` is False or the hub is off: ``HF_HUB_OFFLINE``). ``ServeError`` naming what to do
+    when neither has it."""
+    path = Path(checkpoint)
+    if path.exists() or len(path.parts) != 2 or str(checkpoint).startswith((".", "/", "~")):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo = str(checkpoint)
+    try:
+        return Path(snapshot_download(repo, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if not download:
+            raise ServeError(f"{repo} is not a folder, nor in the local Hugging Face cache "
+                             "(--dry-run downloads nothing)") from None
+    try:
+        print(f"[serve] downloading {repo} from the Hugging Face hub", flush=True)
+        return Path(snapshot_download(repo))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ServeError(f"{repo} is not a folder, nor in the local Hugging Face cache, and could not "
+                         f"be downloaded ({type(e).__name__}): run `hf download {repo}` where the hub "
+                         "is reachable (or set HF_HUB_CACHE to a cache that has it), or pass the "
+                         "checkpoint's folder") from None
 
 
 def cache_root() -> Path:

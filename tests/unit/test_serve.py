@@ -150,3 +150,26 @@ def test_a_hybrid_models_conv_state_follows_the_served_dtype(split_cache, monkey
         monkeypatch.setenv(name, value)
     launch = serve.plan(tiny_qwen3_5_dir(), flags, progress=False)
     assert launch.env.get("SGLANG_MAMBA_CONV_DTYPE") == conv
+
+
+def test_a_hub_id_is_served_from_the_local_hugging_face_cache(tmp_path, monkeypatch, capsys):
+    """``serve org/name`` (as ``sglang.launch_server`` takes it): the snapshot in the local HF
+    cache; an id the cache lacks is one line saying what to do, offline or with --dry-run."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir("llama"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert serve.main(["tiny-org/tiny-llama", "--dry-run"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[serve] text LLM: "))
+    argv = shlex.split(line.split(": ", 1)[1])
+    assert Path(argv[argv.index("--model-path") + 1]) == snapshot
+    assert serve.main(["tiny-org/absent", "--dry-run"]) == 2
+    assert "not a folder, nor in the local Hugging Face cache (--dry-run downloads nothing)" in capsys.readouterr().err
+    assert serve.main(["tiny-org/absent"]) == 2
+    err = capsys.readouterr().err
+    assert "could not be downloaded" in err and "hf download tiny-org/absent" in err and len(err.splitlines()) == 1
