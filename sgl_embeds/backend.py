@@ -34,8 +34,9 @@ class EmbedsEndpoint(RuntimeEndpoint):
     sgl_embeds plugin, or a gateway in front of several. ``wire_format`` is ``"base64"`` (raw
     bytes, default) or ``"json"``; ``wire_dtype`` picks float32/float16/bfloat16 for base64
     (default: the rows' own, or the served model's where it is narrower: the server casts them
-    so anyway, so a bfloat16 server gets half float32's bytes and the same answer); with base64, ``run`` sends span rows in a binary body where the
-    server takes one, unless ``send_binary`` is False. ``span_handles``: name a span sent before
+    so anyway, so a bfloat16 server gets half float32's bytes and the same answer); with base64,
+    ``run`` sends span rows in a binary body where the server takes one, unless ``send_binary``
+    is False. ``span_handles``: name a span sent before
     by its handle (see ``writer.py``). ``vision_encoder`` encodes ``sgl.image`` / ``sgl.region``
     client-side; its outputs are kept in ``encoder_cache`` (an ``EncoderCache`` of
     ``encoder_cache_bytes``; 0 turns it off)."""
