@@ -9,6 +9,8 @@ execs it, or with ``--dry-run`` only prints it; ``launch`` runs it as a child (`
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shlex
@@ -180,9 +182,29 @@ def cache_root() -> Path:
 
 def checkpoint_key(checkpoint: Path, progress: bool = True) -> str:
     """A BLAKE3 of every file of the checkpoint folder (names, sizes, bytes) and of the split's
-    layout (``SPLIT_VERSION``), with a progress bar over the bytes."""
+    layout (``SPLIT_VERSION``), with a progress bar over the bytes; kept in the cache beside the
+    files' names, sizes and modification times, so that a later launch of the unchanged folder
+    reads no byte again (as ``make`` trusts times)."""
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(checkpoint).parts))
+    signature = [SPLIT_VERSION] + [[p.relative_to(checkpoint).as_posix(), p.stat().st_size, p.stat().st_mtime_ns]
+                                   for p in files]
+    memo = cache_root() / "keys" / (hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:32] + ".json")
+    try:
+        known = json.loads(memo.read_text())
+        if known["signature"] == signature:
+            return known["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: hash
+    key = _hash_files(checkpoint, files, progress)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    written = memo.with_name(memo.name + f".tmp{os.getpid()}")
+    written.write_text(json.dumps({"signature": signature, "key": key}))
+    written.replace(memo)
+    return key
+
+
+def _hash_files(checkpoint: Path, files: list[Path], progress: bool) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update(f"split v{SPLIT_VERSION}\0".encode())
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
@@ -214,19 +236,27 @@ def split_dir(checkpoint: Path, progress: bool = True, make: bool = True) -> Pat
 
 def build_once(target: Path, build: Callable[[Path], None], done: str = "config.json") -> Path:
     """``target``, built by ``build(folder)`` into a temporary folder renamed when done, so an
-    interrupted build is never reused; a target that holds ``done`` is not built again."""
+    interrupted build is never reused; a target that holds ``done`` is not built again. Builds
+    of one target take turns (a lock file beside it): a second waits, then finds it built; the
+    temporary folders of a build that was killed are removed by the next."""
     if (target / done).exists():
         return target
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        build(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / done).exists():
+            return target
+        for stale in target.parent.glob(target.name + ".tmp*"):  # no other build runs now
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        tmp.mkdir()
+        try:
+            build(tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return target
 
 

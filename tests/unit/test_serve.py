@@ -7,6 +7,7 @@ family's launch line and makes nothing (no split, no server)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -44,7 +45,7 @@ def test_llava_is_split_once_into_a_folder_keyed_by_its_content(split_cache, tmp
     shutil.copytree(tiny_llava_dir("llama"), changed)
     (changed / "generation_config.json").write_text('{"note": "changed"}')
     assert serve.plan(changed, [], progress=False).model_dir != launch.model_dir
-    assert sorted(p.name for p in split_cache.iterdir()) == sorted(
+    assert sorted(p.name for p in split_cache.iterdir() if p.suffix != ".lock") == sorted(
         {launch.model_dir.parent.name, serve.plan(changed, [], progress=False).model_dir.parent.name})
 
 
@@ -173,3 +174,53 @@ def test_a_hub_id_is_served_from_the_local_hugging_face_cache(tmp_path, monkeypa
     assert serve.main(["tiny-org/absent"]) == 2
     err = capsys.readouterr().err
     assert "could not be downloaded" in err and "hf download tiny-org/absent" in err and len(err.splitlines()) == 1
+
+
+def test_an_unchanged_checkpoint_is_not_hashed_again(split_cache, tmp_path, monkeypatch):
+    """The key of a folder whose files' names, sizes and times are unchanged is read back, not
+    computed: no byte is read again; a touched file is hashed again (to the same key)."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir("llama"), checkpoint)
+    key = serve.checkpoint_key(checkpoint, progress=False)
+
+    def never(*args, **kwargs):
+        raise AssertionError("hashed again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(serve, "_hash_files", never)
+        assert serve.checkpoint_key(checkpoint, progress=False) == key
+        os.utime(checkpoint / "config.json", ns=(1, 1))
+        with pytest.raises(AssertionError, match="hashed again"):
+            serve.checkpoint_key(checkpoint, progress=False)
+    assert serve.checkpoint_key(checkpoint, progress=False) == key  # same bytes, same key
+
+
+def test_builds_of_one_target_take_turns_and_clear_a_killed_builds_folder(tmp_path):
+    """Two processes building one target: one builds, the other waits and finds it built; a
+    temporary folder a killed build left is removed by the next build."""
+    import multiprocessing
+
+    target = tmp_path / "built"
+    stale = tmp_path / "built.tmp999999"
+    stale.mkdir()
+    (stale / "half").write_text("x")
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        counts = pool.starmap(_build_slowly, [(str(target),), (str(target),)])
+    assert sorted(counts) == [0, 1], "exactly one of the two built it"
+    assert (target / "config.json").read_text() == "built" and not stale.exists()
+    assert not list(tmp_path.glob("built.tmp*"))
+
+
+def _build_slowly(target: str) -> int:
+    import time
+
+    built = []
+
+    def build(folder):
+        built.append(folder)
+        time.sleep(0.5)
+        (folder / "config.json").write_text("built")
+
+    serve.build_once(Path(target), build)
+    return len(built)
