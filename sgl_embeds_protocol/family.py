@@ -28,6 +28,9 @@ REFUSED = "refused"  # known, and refused by name (``Family.refused`` says why)
 MLP = "mlp"  # LLaVA's linear_1 -> act -> linear_2 over the tower's selected feature layers
 LINEAR = "linear"  # PaliGemma's one linear layer over the tower's last hidden state
 POOLED = "pooled"  # Gemma 3's average pooling to a fixed row count, RMS norm, one matrix
+# Gemma 4's embed_vision over its pooling tower: rows of a count that depends on the image's
+# size, RMS-normed without a gain, one matrix; the checkpoint's own layout (vlm/gemma4.py)
+EMBEDDER = "embedder"
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Family:
     # each image's span is one bidirectional block (Gemma 3): its rows attend each other both
     # ways, the text around them causally; the client's image spans carry it
     image_block: bool = False
-    projector: str = MLP  # a split family's: MLP, LINEAR or POOLED
+    projector: str = MLP  # a split family's: MLP, LINEAR, POOLED or EMBEDDER
 
     def __post_init__(self) -> None:
         if self.served_as not in (SPLIT, NATIVE, REFUSED):
@@ -66,7 +69,7 @@ class Family:
             raise ValueError(f"{self.name}: a refused family says why, and only it")
         if self.clip_time not in (None, SECONDS_PER_STEP, TIMESTAMPS):
             raise ValueError(f"{self.name}: clip_time {self.clip_time!r}")
-        if self.projector not in (MLP, LINEAR, POOLED):
+        if self.projector not in (MLP, LINEAR, POOLED, EMBEDDER):
             raise ValueError(f"{self.name}: projector {self.projector!r}")
 
 
@@ -82,6 +85,10 @@ FAMILIES = (
            projector=LINEAR),
     Family("gemma3", "Gemma 3", "Gemma3ForConditionalGeneration", SPLIT, image_block=True,
            projector=POOLED),
+    # E2B / E4B: images causal, per-layer inputs of image positions by the pad id (the plugin's
+    # model_runner.gemma4_per_layer_inputs); 26B / 31B (images one block on the sliding layers
+    # only) are refused by split (vlm/gemma4.llm_config)
+    Family("gemma4", "Gemma 4", "Gemma4ForConditionalGeneration", SPLIT, projector=EMBEDDER),
     Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
     Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
            clip_time=SECONDS_PER_STEP),

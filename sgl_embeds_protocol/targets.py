@@ -68,6 +68,10 @@ _FLASHINFER = "sglang.srt.layers.attention.flashinfer_backend"
 FLASHINFER_INIT_METADATA = f"{_FLASHINFER}.FlashInferAttnBackend.init_forward_metadata"
 FLASHINFER_PLAN = f"{_FLASHINFER}.FlashInferIndicesUpdaterPrefill.call_begin_forward"
 PREFILL_GRAPH_CAN_RUN = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph"
+# a split Gemma 4's LLM half (model_runner.gemma4_*)
+GEMMA4_TEXT_CONFIG = "sglang.srt.utils.hf_transformers.config.get_hf_text_config"
+GEMMA4_BACKEND_CHECK = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+GEMMA4_PER_LAYER_INPUTS = "sglang.srt.models.gemma4_causal.Gemma4TextModel.forward"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 # Tokenizer-manager (HTTP) process
@@ -127,6 +131,14 @@ PATCHED: dict[str, Guard] = {
     FLASHINFER_INIT_METADATA: server("if self.is_multimodal or self.enable_mis:", "use_ragged = False", fp="06b7597c8e8a3d2b"),
     FLASHINFER_PLAN: server("custom_mask = cross_attention_custom_mask", "use_custom_mask = custom_mask", fp="38d642b325dc307f"),
     PREFILL_GRAPH_CAN_RUN: server("can_replay_locally", fp="43cedd35cceab5e1"),
+    # a split Gemma 4 (model_runner.gemma4_*): a gemma4_text config flattened before the loader
+    # reads it; the torch_native backend let through the Gemma 4 assert; per-layer inputs of span
+    # rows by the pad id, where the forward refuses ids and rows together
+    GEMMA4_TEXT_CONFIG: server(fp="9fcc4b1401ec37e6"),
+    GEMMA4_BACKEND_CHECK: server('"Gemma4ForCausalLM"', "Gemma4 only supports", fp="be63fbd027d4b35d"),
+    GEMMA4_PER_LAYER_INPUTS: server("(input_ids is None) ^ (input_embeds is not None)",
+                                    "self.get_per_layer_inputs(input_ids)",
+                                    "self.project_per_layer_inputs(", fp="86d1558babe70025"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
     # its Triton kernel, which asks CUDA for the SM count; sgl_embeds_cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
@@ -197,6 +209,13 @@ RELIED_ON: dict[str, Guard] = {
         server("positional_embed_overrides.reconstruct", fp="83237e517bbd89e0"),
     "sglang.srt.managers.io_struct.sock_send": server("send_pyobj", fp="392e732baf387df5"),
     "sglang.srt.environ.Envs.SGLANG_USE_PICKLE_IPC": server(),
+    # -- a split Gemma 4: SGLang's own flattening of a Gemma 4 text config, which the loader
+    #    calls only for VLM configs (model_runner.gemma4_text_config); the call it runs in
+    "sglang.srt.utils.hf_transformers.config._apply_gemma4_attention_overrides":
+        server("text_config.swa_head_dim = swa_head_dim", "text_config.per_layer_config = None", fp="dd7c2bfedf4f0ed9"),
+    "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.parse":
+        server("text_config = get_hf_text_config(config=config)", "if not hasattr(config, key)", fp="35180a09c16b70c5"),
+    "sglang.srt.arg_groups.model_override_base.model_config_of": server(fp="b45fd9c53f40bfa3"),
     # -- scheduler: the placeholder masking of prepare_for_extend reaches the model because the
     #    prefill ids are copied to the device later, from the CPU tensor we mask
     "sglang.srt.managers.overlap_utils.resolve_forward_inputs": server("prefill_input_ids_cpu.to(", fp="83e7c38a781eed48"),

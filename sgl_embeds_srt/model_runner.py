@@ -1,11 +1,15 @@
 """Model-runner hooks: grid spans' image items are embedded as they are, item by item, so the
 vision tower never runs on them (a batch that mixes them with raw images is served correctly); a
-config shim that SGLang's Qwen2-VL tower needs; and what SGLang's Gemmas get wrong against HF
-(``MODEL_FIXES``: span rows scaled, Gemma's activation).
+config shim that SGLang's Qwen2-VL tower needs; what SGLang's Gemmas get wrong against HF
+(``MODEL_FIXES``: span rows scaled, Gemma's activation); and a split Gemma 4's LLM half
+(``Gemma4ForCausalLM``, E2B / E4B): its config loaded (``gemma4_text_config``), served on
+``torch_native`` (``gemma4_backend_check``), its per-layer inputs at span rows looked up by the
+pad id as HF's VLM does at image positions (``gemma4_per_layer_inputs``).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -96,3 +100,67 @@ MODEL_FIXES: dict[str, tuple[Callable[[Any], None], ...]] = {
     "GemmaForCausalLM": (rows_as_sent, gelu_as_configured),
     "Gemma2ForCausalLM": (rows_as_sent,),
 }
+
+
+# -- a split Gemma 4's LLM half (``Gemma4ForCausalLM`` of a ``gemma4_text`` config) ------------
+GEMMA4_TEXT = "gemma4_text"  # the model_type of a Gemma4ForCausalLM config (transformers')
+GEMMA4_CAUSAL_LM = "Gemma4ForCausalLM"
+
+
+def gemma4_text_config(original: Callable, config: Any) -> Any:
+    """AROUND hook of ``get_hf_text_config`` in SGLang's config loader: a ``gemma4_text`` config
+    whose sliding and full layers have different head widths (transformers 5 holds that as a
+    per-layer config, whose global ``head_dim`` raises when read) is flattened as SGLang flattens
+    a Gemma 4 VLM's text config (its ``_apply_gemma4_attention_overrides``: ``head_dim`` the full
+    layers', ``swa_head_dim`` the sliding ones'), before the loader reads its attributes. SGLang
+    0.5.23 does so only for ``gemma4`` (VLM) configs, so a ``gemma4_text`` one failed to load
+    (``AmbiguousGlobalPerLayerAttributeError`` on ``head_dim``, measured)."""
+    if getattr(config, "model_type", None) == GEMMA4_TEXT and not hasattr(config, "swa_head_dim"):
+        from sglang.srt.utils.hf_transformers.config import _apply_gemma4_attention_overrides  # SGLang's: the plugin loads before it
+
+        _apply_gemma4_attention_overrides(SimpleNamespace(text_config=config))
+    return original(config)
+
+
+def gemma4_backend_check(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``handle_model_specific_adjustments``: SGLang 0.5.23 asserts that a Gemma 4
+    runs on trtllm_mha, triton, fa4, ascend, intel_xpu, intel_amx or aiter; on a CPU without AMX
+    only ``torch_native`` runs, which attends Gemma 4's layers as any other's (sliding window,
+    scaling 1, the shared-KV layers read their source layer's cache; checked against HF by
+    tests/vlm/test_gemma4_parity.py). For a ``Gemma4ForCausalLM`` on ``torch_native`` the
+    adjustments run with the architecture's name hidden (that branch holds only the assert)."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of  # SGLang's: the plugin loads before it
+
+    if getattr(server_args, "attention_backend", None) != "torch_native":
+        return original(server_args, *args, **kwargs)
+    hf_config = model_config_of(server_args).hf_config
+    architectures = list(hf_config.architectures or [])
+    if architectures[:1] != [GEMMA4_CAUSAL_LM]:
+        return original(server_args, *args, **kwargs)
+    hf_config.architectures = [f"{GEMMA4_CAUSAL_LM} on torch_native"]
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        hf_config.architectures = architectures
+
+
+def gemma4_per_layer_inputs(original: Callable, self: Any, input_ids: Any, positions: Any,
+                            forward_batch: Any, input_embeds: Any = None,
+                            per_layer_inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of SGLang's ``Gemma4TextModel.forward`` where span rows replace embeddings
+    (the model runner passes the ids and the scattered rows together, which SGLang 0.5.23's
+    Gemma 4 refuses: "You must specify exactly one of input_ids or inputs_embeds"): the per-layer
+    inputs (E2B / E4B) looked up from the ids with the text config's pad id at every span row, as
+    HF's ``Gemma4Model`` looks them up at image positions, and their context part projected from
+    the rows as sent (SGLang's own ``project_per_layer_inputs``); then the rows alone go on."""
+    if input_ids is None or input_embeds is None:
+        return original(self, input_ids, positions, forward_batch, input_embeds, per_layer_inputs,
+                        *args, **kwargs)
+    if self.embed_tokens_per_layer is not None and per_layer_inputs is None:
+        ids = input_ids
+        if forward_batch.replace_positions is not None:
+            ids = ids.clone()
+            ids[forward_batch.replace_positions] = self.config.pad_token_id
+        per_layer_inputs = self.get_per_layer_inputs(ids)
+    return original(self, None, positions, forward_batch, input_embeds, per_layer_inputs,
+                    *args, **kwargs)

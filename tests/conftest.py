@@ -31,6 +31,7 @@ from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevis
 from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
@@ -170,6 +171,11 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # sliding-window layers see 8 positions; 10-position prefill chunks cut images
         "gemma3_vlm": lambda: Server(tiny_gemma3_dir(), via_serve=True, env=served["env"],
                                      extra_args=["--enable-cache-report", "--chunked-prefill-size", "10"]),
+        # Gemma 4 (E2B / E4B layout), split by serve (tests/vlm/test_gemma4_parity.py): images
+        # causal, per-layer inputs at the span rows by the pad id; 16-position prefill chunks cut
+        # images (63 to 70 rows)
+        "gemma4_vlm": lambda: Server(tiny_gemma4_dir("e2b"), via_serve=True, env=served["env"],
+                                     extra_args=["--enable-cache-report", "--chunked-prefill-size", "16"]),
         # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
         # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
         "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],

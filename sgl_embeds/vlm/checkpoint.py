@@ -19,22 +19,21 @@ from typing import Callable
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from sgl_embeds.vlm import gemma3, paligemma
+from sgl_embeds.vlm import gemma3, gemma4, paligemma
 from sgl_embeds.vlm.anyres import checkpoint_settings
+from sgl_embeds.vlm.files import Tensors, chat_template_of, weight_index
 from sgl_embeds.vlm.pixels import ImageProcessing
-from sgl_embeds.vlm.prompt import chat_template_of
 from sgl_embeds.vlm.tower import (
     CONFIG_NAME, WEIGHTS_NAME, TowerGeometry, VisionConfig, clip_to_open_clip,
 )
 from sgl_embeds_protocol.family import (
-    FAMILY_FILE, FAMILIES, LINEAR, MLP, POOLED, SPLIT, Family, family_file, family_of,
+    EMBEDDER, FAMILY_FILE, FAMILIES, LINEAR, MLP, POOLED, SPLIT, Family, family_file, family_of,
 )
 
 SHARD_BYTES = 4 << 30
@@ -59,6 +58,8 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
         raise ValueError(f"{src}/config.json: model_type is {model_type!r}{video}; only "
                          f"{', '.join(repr(f.name) for f in splittable)} checkpoints "
                          f"({', '.join(f.hf_class for f in splittable)}) can be split")
+    if family.projector == EMBEDDER:  # Gemma 4: its own key layout and vision half
+        return _split_gemma4(src, dst, family, log, progress)
     vision_type = raw.get("vision_config", {}).get("model_type")
     if family.projector == MLP and family.tiling is None and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
@@ -105,7 +106,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
         state["image_newline"] = tensors[parts.newline].contiguous()
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (vision_dir / CONFIG_NAME).write_text(vision.to_json())
-    template = processor_chat_template(src)
+    template = chat_template_of(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     image_text = vision.image_text if family.image_block else None  # the chat route's image parts
@@ -127,6 +128,30 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
             f"{tiling.tile} px tiles, {tiling.grid}x{tiling.grid} rows per tile; an image of "
             f"one tile costs {tiling.rows_for(tiling.tile, tiling.tile)} rows, one of "
             f"{width}x{height} {tiling.rows_for(width, height)} -> {vision_dir}")
+    return llm_dir, vision_dir
+
+
+def _split_gemma4(src: Path, dst: Path, family: Family, log: Callable[[str], None],
+                  progress: bool) -> tuple[Path, Path]:
+    """``split`` of a ``Gemma4ForConditionalGeneration`` checkpoint: the LLM half a
+    ``Gemma4ForCausalLM`` of its text config (``gemma4.llm_config``), the vision half
+    ``gemma4.write_vision_half``'s."""
+    config = AutoConfig.from_pretrained(src)
+    text_config = gemma4.llm_config(config.text_config)
+    arch = _causal_lm_architecture(text_config)
+    weights = weight_index(src)
+    tensors = Tensors(weights)
+    llm_keys = _untied(gemma4.llm_keys(weights), tensors, text_config)
+    log(f"[split] {src}: {family.hf_class}: a {arch} language model, {len(llm_keys)} tensors")
+    llm_dir, vision_dir = dst / "llm", dst / "vision"
+    llm_dir.mkdir(parents=True, exist_ok=True)
+    _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
+    vision = gemma4.write_vision_half(src, vision_dir)
+    (llm_dir / FAMILY_FILE).write_text(
+        family_file(family.name, "../vision", vision.image_token, vision.image_text))
+    log(f"[split] vision: {vision.vision_config['model_type']} tower, up to "
+        f"{AutoImageProcessor.from_pretrained(vision_dir).max_soft_tokens} rows per image -> "
+        f"{vision_dir}")
     return llm_dir, vision_dir
 
 
@@ -156,35 +181,6 @@ def sglang_serves(arch: str) -> bool:
     models = Path(list(spec.submodule_search_locations)[0]) / "srt" / "models"
     needle = f"class {arch}("
     return any(needle in p.read_text(errors="replace") for p in models.glob("*.py"))
-
-
-def weight_index(src: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    index = src / "model.safetensors.index.json"
-    if index.exists():
-        return {k: src / f for k, f in _read_json(index)["weight_map"].items()}
-    single = src / "model.safetensors"
-    if single.exists():
-        with safe_open(str(single), "pt") as f:
-            return {k: single for k in f.keys()}
-    if any(src.glob("*.bin")):
-        raise ValueError(f"{src} holds only .bin (pickle) weights: convert them to safetensors first "
-                         "(sgl_embeds never unpickles a checkpoint)")
-    raise FileNotFoundError(f"{src} has no model.safetensors or model.safetensors.index.json")
-
-
-class Tensors:
-    """Reads tensors by key, opening each safetensors file of the checkpoint once."""
-
-    def __init__(self, weights: dict[str, Path]):
-        self.weights = weights
-        self._files: dict[Path, object] = {}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        path = self.weights[key]
-        if path not in self._files:
-            self._files[path] = safe_open(str(path), "pt")
-        return self._files[path].get_tensor(key)
 
 
 @dataclass(frozen=True)
@@ -292,12 +288,6 @@ def _image_processing(src: Path) -> tuple[ImageProcessing, str, int | None]:
     return processing, image_token, rows
 
 
-def processor_chat_template(src: Path) -> str | None:
-    """The checkpoint's chat template, wherever transformers would read it (``prompt.chat_template_of``):
-    the split's vision folder keeps it as ``chat_template.jinja``."""
-    return chat_template_of(src)
-
-
 def _untied(llm_keys: dict[str, str], tensors: Tensors, text_config) -> dict[str, str]:
     """``llm_keys`` less ``lm_head.weight`` where the LLM ties it to ``embed_tokens``: a stored
     copy must equal the embeddings (SGLang's tied models never read it)."""
@@ -338,7 +328,7 @@ def _write_llm(src: Path, text, arch: str, tensors: Tensors, llm_keys: dict[str,
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(src)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = processor_chat_template(src)
+        tokenizer.chat_template = chat_template_of(src)
     tokenizer.save_pretrained(out)
     for name in _LLM_FILES:
         if (src / name).exists():

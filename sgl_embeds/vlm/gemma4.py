@@ -1,14 +1,15 @@
-"""The vision half of a Gemma 4 checkpoint and its prompt rule (the LLM half is not served yet:
-no ``Family`` record, so ``split`` refuses Gemma 4 and ``connect`` has no server for it).
+"""A Gemma 4 checkpoint's two halves and its prompt rule (docs/vision-encoders.md, section 9).
 
-``write_vision_half(SRC, DST/vision)`` writes the folder ``Gemma4Encoder`` (also ``load_encoder``)
-loads: per image, the rows of transformers 5.19's ``get_image_features(...).pooler_output``, as
-many as the processor gives that image's size (``rows_for``); the prompt as ``Gemma4Processor``
-expands it. Videos and audio are refused by name (docs/vision-encoders.md, section 9).
-"""
+``llm_config`` / ``llm_keys``: the LLM half (E2B / E4B), SGLang's ``Gemma4ForCausalLM``.
+``write_vision_half``: tower (``Gemma4VisionModel``) and ``embed_vision`` weights, settings, image
+processor, chat template. ``Gemma4Encoder``: an image's rows, bit-equal to HF's
+``get_image_features(...).pooler_output`` for that image alone (as many rows as its size gives:
+``rows_for``), unscaled. ``prompt_text`` / ``prompt_segments``: each image token becomes
+``<boi>``, the rows, ``<eoi>``, as ``Gemma4Processor`` writes it. Video and audio are refused."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,17 +26,22 @@ from transformers.models.gemma4.image_processing_gemma4 import (
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 
-from sgl_embeds.vlm.checkpoint import Tensors, processor_chat_template, weight_index
-from sgl_embeds.vlm.files import CONFIG_NAME, GEMMA4_FORMAT as FORMAT, WEIGHTS_NAME
+from sgl_embeds.vlm.files import (
+    CONFIG_NAME, GEMMA4_FORMAT as FORMAT, WEIGHTS_NAME, Tensors, chat_template_of, weight_index,
+)
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tower import place_vision_half, read_vision_dir
 from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.family import ImageText
 
-FAMILY = "gemma4"  # no Family record yet (the module docstring)
+FAMILY = "gemma4"
 TOWER = "gemma4_vision"  # the only tower type a Gemma 4 checkpoint has
 IMAGE_PROCESSORS = (Gemma4ImageProcessor, Gemma4ImageProcessorPil)  # torchvision, PIL backends
 # checkpoint key prefixes (transformers 5 saves the modules' names) -> the vision folder's
 PARTS = {"model.vision_tower.": "tower.", "model.embed_vision.": "projector."}
+LLM_PART = "model.language_model."  # -> the LLM half's "model."
+# what neither half takes: the audio tower and its embedder (audio is refused in a prompt)
+LEFT_OUT = ("model.audio_tower.", "model.embed_audio.")
 # what this encoder does not take, by the checkpoint's placeholder token: why
 NOT_DONE = {"video": "Gemma 4 videos (frames with timestamps, each its own block of rows) are "
                      "not supported yet: send frames as images",
@@ -62,6 +68,12 @@ class Gemma4Vision:
         if tower != TOWER:
             raise ValueError(f"vision_config.model_type is {tower!r}: a Gemma 4 checkpoint's "
                              f"tower is {TOWER!r}")
+
+    @property
+    def image_text(self) -> ImageText:
+        """How ``Gemma4Processor`` writes an image: each image token becomes ``<boi>``, the
+        image's rows, ``<eoi>``."""
+        return ImageText(self.image_token, self.boi_token, self.eoi_token)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=2)
@@ -128,10 +140,48 @@ def write_vision_half(src: str | Path, vision_dir: str | Path) -> Gemma4Vision:
     save_file(state, str(vision_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     (vision_dir / CONFIG_NAME).write_text(settings.to_json())
     processor.image_processor.save_pretrained(vision_dir)  # preprocessor_config.json
-    template = processor_chat_template(src)
+    template = chat_template_of(src)
     if template:
         (vision_dir / "chat_template.jinja").write_text(template)
     return settings
+
+
+def llm_config(text_config: Gemma4TextConfig) -> Gemma4TextConfig:
+    """``text_config`` as the config of the LLM half, a ``Gemma4ForCausalLM`` (``model_type``
+    ``gemma4_text``) that computes what HF's ``Gemma4ForConditionalGeneration`` computes on the
+    image rows: as it is, ``final_logit_softcapping`` included (transformers 5.19's Gemma 4 VLM
+    caps its logits, unlike Gemma 3's). Refused: ``use_bidirectional_attention="vision"``
+    (26B / 31B: each image one block on the sliding layers only, which the plugin's blocks, applied
+    on every layer, do not express yet) and any other bidirectional attention."""
+    both_ways = text_config.use_bidirectional_attention
+    if both_ways == "vision":
+        raise ValueError("text_config.use_bidirectional_attention is 'vision' (the 26B / 31B "
+                         "layout): each image is one block on the sliding layers only, full layers "
+                         "causal; the plugin's blocks hold on every layer, so this layout is not "
+                         "served yet (E2B / E4B are)")
+    if both_ways is not None:
+        raise ValueError(f"text_config.use_bidirectional_attention is {both_ways!r}: a Gemma 4 "
+                         "VLM's text model attends causally (or 'vision')")
+    config = copy.deepcopy(text_config)
+    config.architectures = ["Gemma4ForCausalLM"]
+    return config
+
+
+def llm_keys(weights: dict[str, Path]) -> dict[str, str]:
+    """The LLM half's tensor names -> the checkpoint's keys (``model.language_model.X`` ->
+    ``model.X``); a key of no known part is refused by name."""
+    keys = {}
+    for key in weights:
+        if key.startswith(LLM_PART):
+            keys["model." + key[len(LLM_PART):]] = key
+        elif key == "lm_head.weight":
+            keys[key] = key
+        elif not key.startswith((*PARTS, *LEFT_OUT)):
+            raise ValueError(f"checkpoint key {key!r} belongs to no known part of a "
+                             "Gemma4ForConditionalGeneration model")
+    if "model.embed_tokens.weight" not in keys:
+        raise ValueError(f"missing language-model weight {LLM_PART}embed_tokens.weight")
+    return keys
 
 
 def prompt_text(text: str, vision: Gemma4Vision, images: int | None = None) -> str:
@@ -158,8 +208,8 @@ def prompt_text(text: str, vision: Gemma4Vision, images: int | None = None) -> s
 def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma4Vision) -> seg.Prompt:
     """The segments of a Gemma 4 prompt: the text of ``prompt_text`` with each image's rows, in
     order, as a span between ``"...<boi>"`` and ``"<eoi>..."``. The spans are plain (causal)
-    spans: which images a Gemma 4 attends as blocks, and on which layers, is the LLM half's rule
-    (E2B/E4B: none; 26B/31B: each image on the sliding layers), not done."""
+    spans, as E2B / E4B attend images (26B / 31B attend each image as one block on the sliding
+    layers only: ``llm_config`` refuses that layout)."""
     for i, r in enumerate(rows):
         if r.dim() != 2 or r.shape[1] != vision.llm_hidden_size:
             raise ValueError(f"image {i}: rows of shape {list(r.shape)}, a Gemma 4 image is "

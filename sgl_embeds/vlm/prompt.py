@@ -8,7 +8,6 @@ are HF's processor's; ``model_chat_template`` reads the template as SGLang's ``C
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,28 +17,8 @@ from sglang.lang.chat_template import ChatTemplate
 from sglang.lang.ir import SglExpr
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from sgl_embeds.vlm.files import TEMPLATE_FILES, chat_template_of
 from sgl_embeds_protocol.family import ImageText
-
-
-# Where a checkpoint keeps its chat template, in the order transformers reads them: the
-# processor's own file, its older JSON form, then the tokenizer's config (published Qwen-VL
-# repositories carry the last two, no .jinja)
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
-
-
-def chat_template_of(folder: str | Path) -> str | None:
-    """The chat template of the checkpoint (or split vision) ``folder`` (``TEMPLATE_FILES``;
-    of a tokenizer's named templates, the ``default``); None where it has none."""
-    folder = Path(folder)
-    if (folder / TEMPLATE_FILES[0]).exists():
-        return (folder / TEMPLATE_FILES[0]).read_text()
-    for name in TEMPLATE_FILES[1:]:
-        template = json.loads((folder / name).read_text()).get("chat_template") if (folder / name).exists() else None
-        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if isinstance(template, str):
-            return template
-    return None
 
 
 def render_chat(vision_dir: str | Path, messages: list[dict], add_generation_prompt: bool = True,

@@ -31,7 +31,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from sgl_embeds.vision import VisionRows, load_state
 from sgl_embeds_protocol.family import BY_NAME
 from sgl_embeds_protocol.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
-from sgl_embeds.vlm.checkpoint import Tensors, weight_index
+from sgl_embeds.vlm.files import Tensors, weight_index
 from sgl_embeds.vlm.files import model_type
 from sgl_embeds.vlm.pixels import BACKENDS
 

@@ -1,9 +1,11 @@
-"""Tiny random-weight Gemma 4 checkpoints (``Gemma4ForConditionalGeneration``, float32) as
-transformers saves them, with their ``Gemma4Processor`` and a Gemma-4-style chat template, built
-once into ``models.py``'s cache with fixed seeds in two layouts of the released models: ``"e2b"``
-(E2B / E4B: causal images, per-layer inputs, shared-KV layers) and ``"31b"`` (26B-A4B / 31B: image
-blocks on sliding layers; ``tiny_gemma4_dir`` says more).
-"""
+"""Tiny random-weight Gemma 4 checkpoints (``Gemma4ForConditionalGeneration``, float32) with
+``Gemma4Processor`` and a Gemma-4-style chat template, built once with fixed seeds in two layouts:
+``"e2b"`` (E2B / E4B: images causal, per-layer inputs, shared-KV last layers) and ``"31b"``
+(26B-A4B / 31B: each image one block on the sliding layers only, k=v full layers of their own head
+width, experts beside the MLP, a standardized tower). Both: a tower of 4 px patches pooled 3x3,
+at most ``MAX_SOFT_TOKENS`` rows an image (63 to 70 for the test images), a text model of hidden
+64 whose sliding window (``SLIDING_WINDOW``) is shorter than an image and every test prompt;
+weights scaled so that greedy answers vary and change with the image."""
 
 from __future__ import annotations
 
@@ -82,24 +84,8 @@ def _text_config(layout: str, tok) -> Gemma4TextConfig:
 
 
 def tiny_gemma4_dir(layout: str) -> Path:
-    """A tiny random-weight ``Gemma4ForConditionalGeneration`` (float32) of ``layout`` with its
-    processor.
-
-    - ``"e2b"`` (E2B / E4B): images attended causally (``use_bidirectional_attention`` None),
-      per-layer inputs (``hidden_size_per_layer_input`` > 0: a second embedding table looked up by
-      token id, added in every layer), the last layers reusing earlier layers' keys and values
-      (``num_kv_shared_layers`` > 0);
-    - ``"31b"`` (26B-A4B / 31B): each image's soft tokens one bidirectional block on the sliding
-      layers only (``use_bidirectional_attention="vision"``), no per-layer inputs, full layers with
-      keys equal to values (``attention_k_eq_v``) and their own head width, and a mixture of
-      experts beside the dense MLP as 26B-A4B has (31B is dense).
-
-    Both: a Gemma 4 vision tower (hidden 32, patches of 4 px pooled 3x3) whose image processor
-    resizes each image, keeping its aspect ratio, to at most ``MAX_SOFT_TOKENS`` rows (63 to 70
-    rows for the test images: a 32x32 image becomes 96x96 px, 64 rows); a text model of hidden
-    64, sliding and full layers, a sliding window (``SLIDING_WINDOW``) shorter than both an image
-    and every test prompt. Weights scaled up from the default init so that greedy answers are
-    varied and change with the image."""
+    """A tiny random-weight ``Gemma4ForConditionalGeneration`` (float32) of ``layout``
+    (``"e2b"`` or ``"31b"``, the module docstring) with its processor."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
