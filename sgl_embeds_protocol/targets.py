@@ -216,6 +216,11 @@ RELIED_ON: dict[str, Guard] = {
     "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.parse":
         server("text_config = get_hf_text_config(config=config)", "if not hasattr(config, key)", fp="35180a09c16b70c5"),
     "sglang.srt.arg_groups.model_override_base.model_config_of": server(fp="b45fd9c53f40bfa3"),
+    #    the router's scale lives in its norm's weight, which the CPU norm applies only
+    #    with_scale (model_runner.router_scaled)
+    "sglang.srt.models.gemma4_causal.Gemma4Router.fuse_scale": server("self.norm.weight.data.copy_(fused)", fp="af044f11c469090c"),
+    "sglang.srt.models.gemma4_causal.Gemma4Router.forward": server("self.norm(x)", fp="7f704a1a49ac090a"),
+    "sglang.srt.layers.layernorm.Gemma4RMSNorm.forward_native": server("if self.with_scale:", fp="6ebf9d963cb055a2"),
     # -- scheduler: the placeholder masking of prepare_for_extend reaches the model because the
     #    prefill ids are copied to the device later, from the CPU tensor we mask
     "sglang.srt.managers.overlap_utils.resolve_forward_inputs": server("prefill_input_ids_cpu.to(", fp="83e7c38a781eed48"),

@@ -95,10 +95,23 @@ def gelu_as_configured(model: Any) -> None:
             layer.mlp.act_fn.approximate = approximate
 
 
+def router_scaled(model: Any) -> None:
+    """SGLang's Gemma 4 router folds its learned scale and hidden**-0.5 into its norm's weight
+    (``Gemma4Router.fuse_scale``) and runs a norm built ``with_scale=False``, which applies that
+    weight on CUDA (``forward_cuda``'s rmsnorm) but not on a CPU without AMX
+    (``Gemma4RMSNorm.forward_native``): the experts were routed on unscaled logits (the tiny
+    26B-layout model's text answers equalled HF's only with that factor taken out of HF's router,
+    measured). Each router's norm applies its weight."""
+    for layer in model.model.layers:
+        if getattr(layer, "router", None) is not None:
+            layer.router.norm.with_scale = True
+
+
 # What SGLang's model classes get wrong against HF, by class name
 MODEL_FIXES: dict[str, tuple[Callable[[Any], None], ...]] = {
     "GemmaForCausalLM": (rows_as_sent, gelu_as_configured),
     "Gemma2ForCausalLM": (rows_as_sent,),
+    "Gemma4ForCausalLM": (router_scaled,),
 }
 
 

@@ -31,7 +31,7 @@ from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevis
 from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
-from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
+from sgl_embeds_testing.gemma4 import tiny_gemma4_dir, tiny_gemma4_llm_half_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
@@ -176,6 +176,9 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # images (63 to 70 rows)
         "gemma4_vlm": lambda: Server(tiny_gemma4_dir("e2b"), via_serve=True, env=served["env"],
                                      extra_args=["--enable-cache-report", "--chunked-prefill-size", "16"]),
+        # the LLM half of the Gemma 4 26B / 31B layout as a text LLM (tests/vlm/test_gemma4_31b_llm.py)
+        "gemma4_31b_llm": lambda: Server(tiny_gemma4_llm_half_dir("31b"),
+                                         extra_args=["--chunked-prefill-size", "16"]),
         # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
         # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
         "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],
