@@ -185,9 +185,10 @@ def add_span(executor: Any, span: seg.Span) -> None:
 
 def image_block(encoder: Callable) -> bool:
     """Whether the rows ``encoder`` gives for an image are one bidirectional block: its family's
-    ``Family.image_block`` (Gemma 3); False for an encoder that names no known ``family``."""
+    ``Family.image_block`` (Gemma 3), or the encoder's own ``image_block`` where its checkpoint
+    decides (Gemma 4 26B / 31B); False for an encoder that names no known ``family``."""
     family = family_of(getattr(encoder, "family", None))  # optional (vision.VisionEncoder)
-    return family is not None and family.image_block
+    return family is not None and (family.image_block or getattr(encoder, "image_block", False))
 
 
 def _add_encoded(executor: Any, encoder: Callable, image: Any, region: Any = None) -> None:

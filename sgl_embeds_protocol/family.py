@@ -86,8 +86,8 @@ FAMILIES = (
     Family("gemma3", "Gemma 3", "Gemma3ForConditionalGeneration", SPLIT, image_block=True,
            projector=POOLED),
     # E2B / E4B: images causal, per-layer inputs of image positions by the pad id (the plugin's
-    # model_runner.gemma4_per_layer_inputs); 26B / 31B (images one block on the sliding layers
-    # only) are refused by split (vlm/gemma4.llm_config)
+    # model_runner.gemma4_per_layer_inputs); 26B / 31B: each image one block on the sliding layers
+    # only (the checkpoint's vision settings and family file say so: split_sliding_blocks)
     Family("gemma4", "Gemma 4", "Gemma4ForConditionalGeneration", SPLIT, projector=EMBEDDER),
     Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
     Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
@@ -141,12 +141,15 @@ class ImageText:
 
 
 def family_file(family: str, vision_dir: str, image_token: str,
-                image_text: ImageText | None = None) -> str:
+                image_text: ImageText | None = None, sliding_blocks: bool = False) -> str:
     """The text of ``FAMILY_FILE`` for a split LLM; ``vision_dir``: relative to the LLM's folder;
-    ``image_text``: where the chat route renders a span part as an image."""
+    ``image_text``: where the chat route renders a span part as an image; ``sliding_blocks``: its
+    blocks hold on its sliding-window layers only, inside the window (``split_sliding_blocks``)."""
     record = {"family": family, "vision_dir": vision_dir, "image_token": image_token}
     if image_text is not None:
         record["image_text"] = asdict(image_text)
+    if sliding_blocks:
+        record["sliding_blocks"] = True
     return json.dumps(record, indent=2)
 
 
@@ -183,6 +186,15 @@ def split_image_text(model_path: str | None) -> ImageText | None:
     split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
     image_text = split.get("image_text") if split is not None else None
     return ImageText(**image_text) if image_text is not None else None
+
+
+@functools.cache
+def split_sliding_blocks(model_path: str | None) -> bool:
+    """Whether the split LLM ``model_path`` attends a block both ways on its sliding-window layers
+    only, as window AND (causal OR block), and causally on its full layers (Gemma 4 26B / 31B:
+    HF's ``create_masks_for_vision_model``); False for any other model."""
+    split = _read_family_file(model_path if model_path and os.path.isdir(model_path) else None)
+    return bool(split is not None and split.get("sliding_blocks"))
 
 
 def _read_family_file(path: str | None) -> dict | None:

@@ -16,22 +16,28 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_embeds_srt.blocks import BLOCKS_ATTR, Block
+from sgl_embeds_srt.blocks import BLOCKS_ATTR, Block, served_sliding_blocks
 
 logger = logging.getLogger(__name__)
 
 
-def allowed_keys(prefix: int, n_q: int, blocks: Sequence[Block], window: int | None = None) -> torch.Tensor:
+def allowed_keys(prefix: int, n_q: int, blocks: Sequence[Block], window: int | None = None,
+                 window_over_blocks: bool = False) -> torch.Tensor:
     """``[n_q, prefix + n_q]``: which keys the queries at positions ``prefix ..`` attend. Causal,
     within the sliding window (``window``: SGLang's, keys at ``q - window`` and after), then each
-    block's positions see the whole block (HF's order: the block overlays the window)."""
+    block's positions see the whole block (HF Gemma 3's order: the block overlays the window);
+    ``window_over_blocks``: the window cuts the blocks too, keys after the query kept (HF Gemma
+    4's order on its sliding layers: window AND (causal OR block))."""
     q_pos = torch.arange(prefix, prefix + n_q).unsqueeze(1)
     k_pos = torch.arange(prefix + n_q).unsqueeze(0)
     allowed = k_pos <= q_pos
-    if window is not None and window > -1:
+    windowed = window is not None and window > -1
+    if windowed and not window_over_blocks:
         allowed &= k_pos >= q_pos - window
     for start, end in blocks:
         allowed |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+    if windowed and window_over_blocks:
+        allowed &= k_pos >= q_pos - window
     return allowed
 
 
@@ -117,6 +123,7 @@ def forward_extend(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     if (blocks is None and cap <= 0) or kwargs or not _ours(layer):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     global _cut_logged
+    sliding_only, window = served_sliding_blocks(), _window(layer)
     _save_kv(self, layer, forward_batch, k, v, save_kv_cache)
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
@@ -125,11 +132,13 @@ def forward_extend(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     for i in range(forward_batch.seq_lens.shape[0]):
         n_q, prefix = int(forward_batch.extend_seq_lens_cpu[i]), int(forward_batch.extend_prefix_lens_cpu[i])
         request_blocks = blocks[i] if blocks is not None else ()
+        if sliding_only and window is None:
+            request_blocks = ()  # a full layer of such a model attends causally
         if not _cut_logged and any(s < prefix + n_q < e for s, e in request_blocks):
             _cut_logged = True  # a scheduler bug (blocks.py keeps chunks whole): say it once
             logger.error("sgl_embeds: a prefill chunk ends inside a bidirectional block")
         k_i, v_i = _request_kv(self, layer, forward_batch, i, prefix + n_q, q.dtype)
-        allowed = allowed_keys(prefix, n_q, request_blocks, _window(layer)).to(q.device)
+        allowed = allowed_keys(prefix, n_q, request_blocks, window, sliding_only).to(q.device)
         q_i = _heads_first(q_[start : start + n_q])
         out_[start : start + n_q] = attend(q_i, k_i, v_i, allowed, layer.scaling, cap).movedim(1, 0)
         start += n_q

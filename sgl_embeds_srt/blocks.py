@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 from blake3 import blake3
 
-from sgl_embeds_protocol.family import split_family
+from sgl_embeds_protocol.family import split_family, split_sliding_blocks
 
 Block = tuple[int, int]
 BLOCKS_ATTR = "sgl_embeds_blocks"  # on a Req: its blocks; on a ForwardBatch: each request's
@@ -43,6 +43,18 @@ def served_prefix_lm() -> bool:
         return False
     family = split_family(model_path)
     return family is not None and family.prefix_lm
+
+
+def served_sliding_blocks() -> bool:
+    """Whether this process serves a split LLM whose blocks hold on its sliding layers only
+    (``family.split_sliding_blocks``: Gemma 4 26B / 31B); False without server arguments."""
+    from sglang.srt.runtime_context import get_server_args  # SGLang not ready at plugin load
+
+    try:
+        model_path = get_server_args().model_path
+    except ValueError:  # "Global server args is not set yet!"
+        return False
+    return split_sliding_blocks(model_path)
 
 
 def set_blocks(req: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from sgl_embeds_protocol import wire
-from sgl_embeds_protocol.family import ImageText, split_family, split_image_text
+from sgl_embeds_protocol.family import ImageText, split_family, split_image_text, split_sliding_blocks
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_protocol.keys import keyed
@@ -41,7 +41,9 @@ class ModelSpec:
     max_block: "BlockLimit | None" = None  # the most positions one block may hold, and why
     # a split family's image as its processor writes it: the chat route renders span parts so
     image_text: ImageText | None = None
-    image_block: bool = False  # each image one bidirectional block (family.Family.image_block)
+    # each image one bidirectional block (family.Family.image_block, or the split LLM's family
+    # file where its checkpoint decides: family.split_sliding_blocks)
+    image_block: bool = False
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -52,7 +54,8 @@ class ModelSpec:
                    args.model_path, prefix_lm=family is not None and family.prefix_lm,
                    blocks_refused=blocks_refused(args, mc, vision), max_block=block_limit(args, mc),
                    image_text=split_image_text(args.model_path),
-                   image_block=family is not None and family.image_block)
+                   image_block=(family is not None and family.image_block)
+                   or split_sliding_blocks(args.model_path))
 
     @property
     def span_width(self) -> int:
@@ -146,6 +149,9 @@ def blocks_refused(server_args: Any, model_config: Any, vision: VisionSpec | Non
                 f"backends; this server prefills with {backend!r}")
     if _linear_attention(model_config):
         return "this model's linear-attention layers read the prompt in one direction only"
+    if backend != TORCH_NATIVE and split_sliding_blocks(server_args.model_path):
+        return ("this model attends a block both ways on its sliding layers only, which only "
+                f"{TORCH_NATIVE!r} does; this server prefills with {backend!r}")
     if backend != TORCH_NATIVE:
         if getattr(server_args, "speculative_algorithm", None):
             return "speculative decoding plans the GPU backends' masks for its own trees"

@@ -179,6 +179,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # the LLM half of the Gemma 4 26B / 31B layout as a text LLM (tests/vlm/test_gemma4_31b_llm.py)
         "gemma4_31b_llm": lambda: Server(tiny_gemma4_llm_half_dir("31b"),
                                          extra_args=["--chunked-prefill-size", "16"]),
+        # Gemma 4 (26B / 31B layout), split by serve (tests/vlm/test_gemma4_31b_parity.py): each
+        # image one block on the sliding layers only; 16-position prefill chunks
+        "gemma4_31b_vlm": lambda: Server(tiny_gemma4_dir("31b"), via_serve=True, env=served["env"],
+                                         extra_args=["--enable-cache-report", "--chunked-prefill-size", "16"]),
         # PaliGemma and PaliGemma 2, split by serve (tests/vlm/test_paligemma_parity.py): each
         # prompt one bidirectional block; PaliGemma 1's cut by 8-position prefill chunks
         "paligemma": lambda: Server(tiny_paligemma_dir(1), via_serve=True, env=served["env"],

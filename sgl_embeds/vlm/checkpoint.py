@@ -147,8 +147,9 @@ def _split_gemma4(src: Path, dst: Path, family: Family, log: Callable[[str], Non
     llm_dir.mkdir(parents=True, exist_ok=True)
     _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
     vision = gemma4.write_vision_half(src, vision_dir)
-    (llm_dir / FAMILY_FILE).write_text(
-        family_file(family.name, "../vision", vision.image_token, vision.image_text))
+    (llm_dir / FAMILY_FILE).write_text(family_file(
+        family.name, "../vision", vision.image_token, vision.image_text,
+        sliding_blocks=vision.image_block))
     log(f"[split] vision: {vision.vision_config['model_type']} tower, up to "
         f"{AutoImageProcessor.from_pretrained(vision_dir).max_soft_tokens} rows per image -> "
         f"{vision_dir}")

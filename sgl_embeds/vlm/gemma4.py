@@ -40,6 +40,8 @@ IMAGE_PROCESSORS = (Gemma4ImageProcessor, Gemma4ImageProcessorPil)  # torchvisio
 # checkpoint key prefixes (transformers 5 saves the modules' names) -> the vision folder's
 PARTS = {"model.vision_tower.": "tower.", "model.embed_vision.": "projector."}
 LLM_PART = "model.language_model."  # -> the LLM half's "model."
+# text_config.use_bidirectional_attention of 26B / 31B: each image one block on the sliding layers
+VISION_BLOCKS = "vision"
 # what neither half takes: the audio tower and its embedder (audio is refused in a prompt)
 LEFT_OUT = ("model.audio_tower.", "model.embed_audio.")
 # what this encoder does not take, by the checkpoint's placeholder token: why
@@ -62,6 +64,9 @@ class Gemma4Vision:
     eoi_token: str  # written after an image's rows
     video_token: str  # refused in a prompt (NOT_DONE)
     audio_token: str  # refused in a prompt (NOT_DONE)
+    # each image one bidirectional block (26B / 31B; on the LLM's sliding layers only, which the
+    # split's family file tells the server); False: images causal (E2B / E4B)
+    image_block: bool = False
 
     def __post_init__(self) -> None:
         tower = self.vision_config.get("model_type")
@@ -121,7 +126,8 @@ def write_vision_half(src: str | Path, vision_dir: str | Path) -> Gemma4Vision:
         vision_config=vision_config, llm_hidden_size=config.text_config.hidden_size,
         bos_token=tok.bos_token, boi_token=tok.boi_token, image_token=tok.image_token,
         image_token_id=config.image_token_id, eoi_token=tok.eoi_token,
-        video_token=processor.video_token, audio_token=processor.audio_token)
+        video_token=processor.video_token, audio_token=processor.audio_token,
+        image_block=config.text_config.use_bidirectional_attention == VISION_BLOCKS)
     pairs = [("image_token_id", tok.image_token_id, config.image_token_id),
              ("boi_token_id", tok.convert_tokens_to_ids(tok.boi_token), config.boi_token_id),
              ("eoi_token_id", tok.convert_tokens_to_ids(tok.eoi_token), config.eoi_token_id)]
@@ -150,18 +156,12 @@ def llm_config(text_config: Gemma4TextConfig) -> Gemma4TextConfig:
     """``text_config`` as the config of the LLM half, a ``Gemma4ForCausalLM`` (``model_type``
     ``gemma4_text``) that computes what HF's ``Gemma4ForConditionalGeneration`` computes on the
     image rows: as it is, ``final_logit_softcapping`` included (transformers 5.19's Gemma 4 VLM
-    caps its logits, unlike Gemma 3's). Refused: ``use_bidirectional_attention="vision"``
-    (26B / 31B: each image one block on the sliding layers only, which the plugin's blocks, applied
-    on every layer, do not express yet) and any other bidirectional attention."""
+    caps its logits, unlike Gemma 3's), ``use_bidirectional_attention="vision"`` (26B / 31B) too
+    (the family file then says so). Refused: any other bidirectional attention."""
     both_ways = text_config.use_bidirectional_attention
-    if both_ways == "vision":
-        raise ValueError("text_config.use_bidirectional_attention is 'vision' (the 26B / 31B "
-                         "layout): each image is one block on the sliding layers only, full layers "
-                         "causal; the plugin's blocks hold on every layer, so this layout is not "
-                         "served yet (E2B / E4B are)")
-    if both_ways is not None:
+    if both_ways not in (None, VISION_BLOCKS):
         raise ValueError(f"text_config.use_bidirectional_attention is {both_ways!r}: a Gemma 4 "
-                         "VLM's text model attends causally (or 'vision')")
+                         f"VLM's text model attends causally or with {VISION_BLOCKS!r}")
     config = copy.deepcopy(text_config)
     config.architectures = ["Gemma4ForCausalLM"]
     return config
@@ -208,8 +208,8 @@ def prompt_text(text: str, vision: Gemma4Vision, images: int | None = None) -> s
 def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma4Vision) -> seg.Prompt:
     """The segments of a Gemma 4 prompt: the text of ``prompt_text`` with each image's rows, in
     order, as a span between ``"...<boi>"`` and ``"<eoi>..."``. The spans are plain (causal)
-    spans, as E2B / E4B attend images (26B / 31B attend each image as one block on the sliding
-    layers only: ``llm_config`` refuses that layout)."""
+    spans as E2B / E4B attend images, or bidirectional ones where ``vision.image_block`` (26B /
+    31B: the server attends them so on the sliding layers only)."""
     for i, r in enumerate(rows):
         if r.dim() != 2 or r.shape[1] != vision.llm_hidden_size:
             raise ValueError(f"image {i}: rows of shape {list(r.shape)}, a Gemma 4 image is "
@@ -218,7 +218,7 @@ def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma4Visio
     out = seg.Prompt()
     for piece, r in zip(pieces, rows):
         out.append(seg.Text(piece))
-        out.append(seg.Span(r))
+        out.append(seg.Span(r, bidirectional=vision.image_block))
     out.append(seg.Text(pieces[-1]))
     return out
 
@@ -254,6 +254,11 @@ class Gemma4Encoder:
     @property
     def span_width(self) -> int:
         return self.config.llm_hidden_size
+
+    @property
+    def image_block(self) -> bool:
+        """Whether each image's rows are one bidirectional block (``lang.image_block``)."""
+        return self.config.image_block
 
     @property
     def image_token(self) -> str:

@@ -35,6 +35,27 @@ def test_the_mask_equals_the_rule_written_out(prefix, n_q, blocks, window):
     assert torch.equal(allowed_keys(prefix, n_q, blocks, window), _dense_allowed(prefix, n_q, blocks, window))
 
 
+@pytest.mark.parametrize("prefix, n_q, blocks, window", [
+    (0, 14, [(1, 9)], 3),  # a block longer than the window
+    (6, 8, [(2, 12)], 2),  # a cache hit inside the block
+    (0, 12, [(1, 4), (6, 11)], 3),  # two blocks, the second longer than the window
+])
+def test_gemma4s_order_puts_the_window_over_the_blocks(prefix, n_q, blocks, window):
+    """HF Gemma 4's sliding layers: window AND (causal OR block), the window one-sided (``kv >
+    q - W``, SGLang's ``window`` = W - 1): a block's later rows stay visible to its earlier ones,
+    its rows older than the window do not; unlike Gemma 3's order once a block outgrows the
+    window."""
+    expected = torch.zeros(n_q, prefix + n_q, dtype=torch.bool)
+    for i in range(n_q):
+        q = prefix + i
+        for k in range(prefix + n_q):
+            in_block = any(s <= q < e and s <= k < e for s, e in blocks)
+            expected[i, k] = (k <= q or in_block) and k >= q - window
+    ours = allowed_keys(prefix, n_q, blocks, window, window_over_blocks=True)
+    assert torch.equal(ours, expected)
+    assert not torch.equal(ours, allowed_keys(prefix, n_q, blocks, window))
+
+
 def _reference(q, k, v, allowed, scale, cap):
     """Attention of one query head at a time, in float64, from the formulas."""
     heads, kv_heads = q.shape[0], k.shape[0]

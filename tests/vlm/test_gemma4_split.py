@@ -1,8 +1,8 @@
 """``split`` of a Gemma 4 checkpoint without a server: the LLM half is the checkpoint's text model
 as a ``Gemma4ForCausalLM`` (its config as it is, ``final_logit_softcapping`` kept) that, given the
 image rows and the per-layer inputs of the pad id at the image positions, computes HF
-``Gemma4ForConditionalGeneration``'s logits; the vision half is ``write_vision_half``'s; the
-26B / 31B layout is refused by name."""
+``Gemma4ForConditionalGeneration``'s logits; the vision half is ``write_vision_half``'s; a 26B /
+31B split says its images are blocks on the sliding layers only."""
 
 from __future__ import annotations
 
@@ -104,7 +104,14 @@ def test_final_logit_softcapping_is_kept(tmp_path):
     assert json.loads((llm / "config.json").read_text())["final_logit_softcapping"] == 30.0
 
 
-def test_the_31b_layout_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="use_bidirectional_attention is 'vision'"):
-        split(tiny_gemma4_dir("31b"), tmp_path / "out", log=lambda _: None)
-    assert not (tmp_path / "out" / "llm" / "config.json").exists()
+def test_the_31b_layout_says_its_images_are_blocks_on_the_sliding_layers(halves, tmp_path):
+    """E2B's images are causal; 26B / 31B's split says its images are blocks (the vision half's
+    settings, read by the client) on the sliding layers only (the family file, read by the
+    server)."""
+    llm, vision = halves
+    assert "sliding_blocks" not in json.loads((llm / FAMILY_FILE).read_text())
+    assert not load_encoder(vision).image_block
+    llm31, vision31 = split(tiny_gemma4_dir("31b"), tmp_path / "out", log=lambda _: None)
+    assert json.loads((llm31 / FAMILY_FILE).read_text())["sliding_blocks"] is True
+    assert json.loads((llm31 / "config.json").read_text())["use_bidirectional_attention"] == "vision"
+    assert load_encoder(vision31).image_block
