@@ -12,6 +12,7 @@ import torch
 from sgl_embeds import lang
 from sgl_embeds.writer import SpanWriter
 from sgl_embeds_protocol import segments as seg
+from sgl_embeds_protocol.family import FAMILY_FILE, family_file
 from sgl_embeds_srt.blocks import span_blocks
 from sgl_embeds_srt.parse import segments_from_wire
 from sgl_embeds_srt.prompts import ModelSpec, block_limit, blocks_refused, build_ids
@@ -59,9 +60,9 @@ def test_a_block_names_its_whole_span_in_its_first_id():
     assert span_blocks(prompt_rows) == [(2, 7)]
 
 
-def _args(backend: str, prefill: str | None = None, **more):
+def _args(backend: str, prefill: str | None = None, model_path: str | None = None, **more):
     return SimpleNamespace(attention_backend=backend, prefill_attention_backend=prefill,
-                           max_prefill_tokens=16, **more)
+                           max_prefill_tokens=16, model_path=model_path, **more)
 
 
 def _limit(backend: str = "torch_native", window: int | None = None):
@@ -115,3 +116,15 @@ def test_where_blocks_are_refused_and_why():
     mla = SimpleNamespace(linear_attn_registry_result=None, attention_arch=SimpleNamespace(name="MLA"))
     assert "latent" in blocks_refused(_args("triton"), mla, None)
     assert blocks_refused(_args("torch_native", speculative_algorithm="EAGLE"), plain, None) is None
+
+
+def test_blocks_on_the_sliding_layers_only_are_refused_off_torch_native(tmp_path):
+    """A split Gemma 4 26B / 31B (its family file says ``sliding_blocks``): only torch_native
+    attends a block on the sliding layers alone."""
+    (tmp_path / FAMILY_FILE).write_text(family_file("gemma4", "../vision", "<|image|>",
+                                                    sliding_blocks=True))
+    plain = SimpleNamespace(linear_attn_registry_result=None)
+    assert blocks_refused(_args("torch_native", model_path=str(tmp_path)), plain, None) is None
+    for backend in ("triton", "flashinfer"):
+        why = blocks_refused(_args(backend, model_path=str(tmp_path)), plain, None)
+        assert "sliding layers only" in why and backend in why
