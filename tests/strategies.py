@@ -96,10 +96,11 @@ def grid_spans(draw, info: dict) -> dict:
     return {"type": "embeds", "embeds": rows.to(draw(st.sampled_from(DTYPES))), **fields}
 
 
-# a span's attention: mostly unsaid (causal), some bidirectional, some of a bad value. A natively
+# a span's attention: often bidirectional (a served block needs the prompt's other spans served
+# too: a held handle, no grid), some unsaid or causal, some of a bad value. A natively
 # served VLM refuses a block (tests/server/test_bidirectional_spans.py), so its spans are drawn
 # without one and its fuzzing keeps reaching its images and clips
-ATTENTIONS = [None, None, None, CAUSAL, BIDIRECTIONAL, BIDIRECTIONAL, "sideways", 1]
+ATTENTIONS = [None, None, CAUSAL, BIDIRECTIONAL, BIDIRECTIONAL, BIDIRECTIONAL, "sideways", 1]
 
 
 def attended(spans, attentions: list):

@@ -9,6 +9,7 @@ HF's answer changes without the router's scale, which SGLang's CPU norm dropped
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -77,7 +78,10 @@ def test_text_and_causal_image_spans_match_hf_gemma4_31b(servers):
     images = [synthetic_scene(), helpers.random_image(40, 40, seed=5)]
     chat = render_chat(vision, [{"role": "user", "content": [{"type": "image"}] * 2 + [
         {"type": "text", "text": "Which one is brighter?"}]}])
-    segments = encoder.prompt_segments([encoder(image) for image in images], chat)
+    # the spans causal, as a text LLM attends them (the 31B encoder writes each image as a block)
+    segments = [dataclasses.replace(s, bidirectional=False) if isinstance(s, sgl_embeds.Span) else s
+                for s in encoder.prompt_segments([encoder(image) for image in images], chat).segments]
+    assert sum(isinstance(s, sgl_embeds.Span) for s in segments) == 2
     out = endpoint.run(input_segments=segments, return_logprob=True, top_logprobs_num=ref.TOP_K,
                        sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
     _check(out, chat, images, "two causal images: ")
