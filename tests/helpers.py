@@ -165,3 +165,12 @@ def assert_retraction_keeps_outputs(roomy, constrained, prompts_of: Callable[[in
         retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
         attempts += 1
     assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
+
+
+def image_chat(backend, question: str, images: int) -> str:
+    """The served checkpoint's chat template (``connect``'s backend) rendered for one user turn:
+    ``images`` image parts, then ``question``."""
+    from sgl_embeds.vlm import render_chat
+
+    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+    return render_chat(backend.server_info.model.vision_dir, [{"role": "user", "content": content}])

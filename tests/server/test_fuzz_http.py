@@ -29,7 +29,7 @@ import helpers
 import sgl_embeds
 from llava_harness import LlavaHarness
 from qwen_vl_harness import ask, assert_matches_hf, chat_text, grid_span, span_segments
-from sgl_embeds.vlm import image_prompt, render_chat
+from sgl_embeds.vlm import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
@@ -200,8 +200,7 @@ REACHED["paligemma"] = REACHED_1D
 # the split Gemma families: the question each is asked after the fuzzing (Gemma 3's in its chat)
 SPLIT_GEMMAS = {
     "paligemma": lambda backend: "caption en",
-    "gemma3_vlm": lambda backend: render_chat(backend.server_info.model.vision_dir, [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]),
+    "gemma3_vlm": lambda backend: helpers.image_chat(backend, "What is in the image?", 1),
 }
 
 

@@ -19,7 +19,7 @@ import sglang as sgl
 import helpers
 import sgl_embeds
 from sgl_embeds.backend import EmbedsEndpoint
-from sgl_embeds.vlm import image_prompt, render_chat
+from sgl_embeds.vlm import image_prompt
 from sgl_embeds_protocol import wire
 from sgl_embeds_protocol.segments import ATTENTION, CAUSAL
 from sgl_embeds_testing import reference as ref
@@ -37,12 +37,6 @@ def _backend(url: str):
     return sgl_embeds.connect(url)
 
 
-def _chat(backend, question: str, images: int) -> str:
-    """The checkpoint's chat template rendered for one user turn: the images, then the question."""
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
-    return render_chat(backend.server_info.model.vision_dir, [{"role": "user", "content": content}])
-
-
 @sgl.function
 def ask(s, text, images, image_token):
     s += image_prompt(text, images, image_token)
@@ -54,7 +48,7 @@ def _ask(server, question: str, images: list, program: bool = True) -> tuple[dic
     ``program``, as the program ``ask``, checked equal), and the chat text HF is given."""
     backend = _backend(server.url)
     encoder = backend.vision_encoder
-    chat = _chat(backend, question, len(images))
+    chat = helpers.image_chat(backend, question, len(images))
     text = encoder.prompt_text(chat, len(images))
     segments = _segments(server, question, images)
     assert sum(getattr(s, "bidirectional", False) for s in segments) == len(images), "each image one block"
@@ -70,7 +64,7 @@ def _segments(server, question: str, images: list) -> list:
     """The segments ``ask`` sends for ``question`` about ``images``."""
     backend = _backend(server.url)
     encoder = backend.vision_encoder
-    text = encoder.prompt_text(_chat(backend, question, len(images)), len(images))
+    text = encoder.prompt_text(helpers.image_chat(backend, question, len(images)), len(images))
     return sgl_embeds.compile_program(ask, like=backend, text=text, images=images, image_token=encoder.image_token)[0]
 
 
@@ -169,7 +163,7 @@ def test_the_chat_route_and_the_gateway_answer_as_hf_gemma3(servers):
     image, question = helpers.random_image(40, 40, seed=31), "What is in the image?"
     backend = _backend(server.url)
     rows = backend.vision_encoder(image)
-    chat = _chat(backend, question, 1)
+    chat = helpers.image_chat(backend, question, 1)
     model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     direct = _chat_part_answer(server.url, model, rows, question)
     _check(direct, chat, [image], "chat route: ")

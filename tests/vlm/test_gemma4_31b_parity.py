@@ -14,7 +14,7 @@ import sglang as sgl
 
 import helpers
 import sgl_embeds
-from sgl_embeds.vlm import image_prompt, render_chat
+from sgl_embeds.vlm import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
@@ -38,8 +38,7 @@ def ask(s, text, images, image_token):
 def _ask(server, question: str, images: list) -> tuple[dict, str]:
     backend = _backend(server.url)
     encoder = backend.vision_encoder
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    chat = render_chat(backend.server_info.model.vision_dir, [{"role": "user", "content": content}])
+    chat = helpers.image_chat(backend, question, len(images))
     text = encoder.prompt_text(chat, len(images))
     segments = sgl_embeds.compile_program(ask, like=backend, text=text, images=images,
                                           image_token=encoder.image_token)[0]

@@ -19,7 +19,7 @@ import sglang as sgl
 
 import helpers
 import sgl_embeds
-from sgl_embeds.vlm import image_prompt, render_chat
+from sgl_embeds.vlm import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
@@ -41,12 +41,6 @@ def _backend(url: str):
     return sgl_embeds.connect(url)
 
 
-def _chat(backend, question: str, images: int) -> str:
-    """The checkpoint's chat template rendered for one user turn: the images, then the question."""
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
-    return render_chat(backend.server_info.model.vision_dir, [{"role": "user", "content": content}])
-
-
 @sgl.function
 def ask(s, text, images, image_token):
     s += image_prompt(text, images, image_token)
@@ -57,7 +51,7 @@ def _segments(server, question: str, images: list) -> list:
     """The segments ``ask`` sends for ``question`` about ``images``."""
     backend = _backend(server.url)
     encoder = backend.vision_encoder
-    text = encoder.prompt_text(_chat(backend, question, len(images)), len(images))
+    text = encoder.prompt_text(helpers.image_chat(backend, question, len(images)), len(images))
     return sgl_embeds.compile_program(ask, like=backend, text=text, images=images,
                                       image_token=encoder.image_token)[0]
 
@@ -67,7 +61,7 @@ def _ask(server, question: str, images: list, program: bool = True) -> tuple[dic
     ``program``, as the program ``ask``, checked equal), and the chat text HF is given."""
     backend = _backend(server.url)
     encoder = backend.vision_encoder
-    chat = _chat(backend, question, len(images))
+    chat = helpers.image_chat(backend, question, len(images))
     segments = _segments(server, question, images)
     spans = [s for s in segments if isinstance(s, sgl_embeds.Span)]
     assert len(spans) == len(images) and not any(s.bidirectional for s in spans), (
