@@ -285,6 +285,15 @@ def pytest_runtest_setup(item):
         _prefetch_ahead(pool, items, items.index(item))
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """The pool's launches and the time tests waited for them: where a run's minutes go."""
+    pool = config.stash.get(POOL_KEY, None)
+    if pool is not None and pool.starts:
+        terminalreporter.write_sep("-", "pooled servers: launches and waits")
+        for line in pool.start_report():
+            terminalreporter.write_line(line)
+
+
 # The folders in the order they run. Unit tests first; the tutorials last: they ask the pool for
 # servers of the test modules before them (the LLaVA and Qwen2.5-VL ones), still running when
 # their modules came just before, instead of started for the tutorials in the middle of the run

@@ -230,6 +230,10 @@ class ServerPool:
         self.launched: dict[str, Server] = {}  # prefetched: started, not yet known to be ready
         self.failed: dict[str, BaseException] = {}
         self.in_use: set[str] = set()  # asked for by the current test: never stopped to make room
+        # per name: how often it was launched, and how long tests waited in ``get`` for it to be
+        # ready (a prefetched start that finished in time costs no wait): ``start_report``
+        self.starts: dict[str, int] = {}
+        self.waited_s: dict[str, float] = {}
 
     def begin_test(self) -> None:
         self.in_use = set()
@@ -253,7 +257,12 @@ class ServerPool:
             servers = [self._server(name) for name in waiting]
             for name in prefetched:
                 del self.launched[name]
+            for name in missing:
+                self.starts[name] = self.starts.get(name, 0) + 1
+            began = time.monotonic()
             errors = start_each(servers, launched=[name in prefetched for name in waiting])
+            for name in waiting:
+                self.waited_s[name] = self.waited_s.get(name, 0.0) + time.monotonic() - began
             if any(errors):
                 stop_all(servers)
                 self.failed.update((name, e) for name, e in zip(waiting, errors) if e)
@@ -276,6 +285,7 @@ class ServerPool:
             stop_all([self.running.pop(n) for n in idle[:max(excess, 0)]])
         try:
             self.launched[name] = self._server(name).launch()
+            self.starts[name] = self.starts.get(name, 0) + 1
         except ServerStartError as e:
             self.failed[name] = e
             return False
@@ -289,6 +299,13 @@ class ServerPool:
         idle = [name for name in self.running if name not in self.in_use]
         excess = len(self.running) + len(self.launched) + count - self.max_running
         stop_all([self.running.pop(name) for name in idle[:max(excess, 0)]])
+
+    def start_report(self) -> list[str]:
+        """One line per server started: its launches and the seconds tests waited for it."""
+        names = sorted(self.starts, key=lambda name: -self.waited_s.get(name, 0.0))
+        total = sum(self.waited_s.values())
+        return [f"{name:<16} {self.starts[name]} launch(es), {self.waited_s.get(name, 0.0):6.1f} s waited"
+                for name in names] + [f"{'all':<16} {sum(self.starts.values())} launch(es), {total:6.1f} s waited"]
 
     def stop(self) -> None:
         stop_all([*self.running.values(), *self.launched.values()])

@@ -124,3 +124,6 @@ def test_a_prefetched_server_is_launched_early_and_only_waited_for_when_asked():
     log.clear()
     pool.stop()  # a launched server is stopped too
     assert ("ask", "c") in log and pool.launched == {}
+    # each launch counted once (b's wait after its prefetch is not a second one), waits by name
+    assert pool.starts == {"a": 1, "b": 1, "c": 1} and set(pool.waited_s) == {"a", "b"}
+    assert pool.start_report()[-1].startswith("all") and " 3 launch(es)" in pool.start_report()[-1]
