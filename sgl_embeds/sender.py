@@ -101,6 +101,10 @@ class SpanSender:
             body = request.written(raw_rows=binary)
         elif request.binary and not binary:  # its binary form was refused meanwhile
             body = binary_body.json_form(body)
+        if self.api_key is not None and keys.is_routing_text(body.get("text")):
+            # a gateway's cache-aware routing learns each key's prompts apart (tenants: the
+            # server keeps their cache entries apart too, docs/reliability.md)
+            body["text"] = keys.keyed_routing_text(body["text"], self.api_key)
         if binary or post_json is None:
             return self.post(body, binary), binary
         return post_json(body), False

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import SPLIT_VERSION, sglang_serves, split
 from sgl_embeds_protocol.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
+from sgl_embeds_protocol.wire import TENANTS_VAR
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
 # A fixed pool (in tokens) is ample for tests and the demo; a later flag overrides it.
@@ -119,6 +120,7 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
          dry_run: bool = False) -> Launch:
     """The launch of ``checkpoint`` (splitting a LLaVA one first, once, unless ``dry_run``);
     ``ServeError`` for a family it does not serve."""
+    flags, tenants_file = _tenants_flag(flags)
     checkpoint = checkpoint_folder(checkpoint, download=not dry_run)
     config_path = checkpoint / "config.json"
     if not config_path.exists():
@@ -127,6 +129,8 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
     model_type = config.get("model_type")
     family = family_of(model_type)
     env = dict(CPU_ENV) if on_cpu() else {}
+    if tenants_file is not None:
+        env[TENANTS_VAR] = tenants_file
     served_as = family.served_as if family else None
     if served_as == SPLIT:
         llm = split_dir(checkpoint, progress, make=not dry_run) / "llm"
@@ -260,6 +264,27 @@ def build_once(target: Path, build: Callable[[Path], None], done: str = "config.
     return target
 
 
+TENANTS_FLAG = "--tenants"
+
+
+def _tenants_flag(flags: list[str]) -> tuple[list[str], str | None]:
+    """``flags`` without ``--tenants FILE`` (serve's own flag: a JSON file of API key -> tenant,
+    docs/reliability.md, "Tenants"), and that file's absolute path (None without the flag)."""
+    rest, path = [], None
+    it = iter(flags)
+    for flag in it:
+        if flag == TENANTS_FLAG or flag.startswith(TENANTS_FLAG + "="):
+            path = flag.partition("=")[2] if "=" in flag else next(it, None)
+            if not path or not Path(path).is_file():
+                raise ServeError(f"{TENANTS_FLAG} takes a JSON file of API key -> tenant, got {path!r}")
+        else:
+            rest.append(flag)
+    if path is not None and any(f == "--api-key" or f.startswith("--api-key=") for f in rest):
+        raise ServeError(f"{TENANTS_FLAG} and --api-key both given: with tenants every tenant's key "
+                         "is an API key; drop --api-key")
+    return rest, None if path is None else str(Path(path).resolve())
+
+
 def plugin_installed() -> bool:
     return any(ep.name == "sgl_embeds" for ep in entry_points(group="sglang.srt.plugins"))
 
@@ -268,7 +293,7 @@ DRY_RUN = "--dry-run"
 
 
 def main(argv: list[str]) -> int:
-    """``serve CHECKPOINT [--dry-run] [SGLang flags...]``: print the launch line, then run it
+    """``serve CHECKPOINT [--dry-run] [--tenants FILE] [SGLang flags...]``: print the launch line, then run it
     (never returns unless it fails before the launch, or with ``--dry-run``). It becomes the
     launched process (``exec``: the same pid, so signals reach SGLang). ``--dry-run`` may stand
     anywhere after ``serve``: nothing is split or launched (a LLaVA checkpoint's line names the
@@ -276,7 +301,7 @@ def main(argv: list[str]) -> int:
     dry_run = DRY_RUN in argv
     argv = [arg for arg in argv if arg != DRY_RUN]
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m sgl_embeds serve CHECKPOINT [--dry-run] [SGLang flags...]\n\n{__doc__}")
+        print(f"usage: python -m sgl_embeds serve CHECKPOINT [--dry-run] [--tenants FILE] [SGLang flags...]\n\n{__doc__}")
         return 0 if argv else 2
     if not plugin_installed():
         print("error: the sgl_embeds plugin is not installed in this environment "

@@ -173,5 +173,11 @@ def routing_text(segments: Iterable[Segment | str]) -> str:
     return "".join(parts)
 
 
+def keyed_routing_text(text: str, api_key: str) -> str:
+    """``text`` (a routing text) led by a digest of the client's API key, once."""
+    mark = "[key " + blake3(api_key.encode()).hexdigest()[:16] + "] "
+    return text if text.startswith(mark) else mark + text
+
+
 def is_routing_text(value: object) -> bool:
     return isinstance(value, str) and value.endswith(ROUTE_TAG)

@@ -3,12 +3,13 @@
 ``SpanStore`` keeps spans by content key (``keys.content_key``) with their row digests, bounded in
 bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU); ``upload`` validates and stores one. A request naming a
 handle the store does not hold gets ``UnknownSpanHandle`` (HTTP 400, the handle in ``"param"``),
-and a client resends the span inline. Tenancy: docs/reliability.md, "Access".
+and a client resends the span inline. Each tenant has its own (docs/reliability.md, "Tenants").
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from sgl_embeds_protocol import keys, wire
 from sgl_embeds_protocol.lru import LRU, rows_to_hold, nbytes
 from sgl_embeds_protocol.segments import Span
+from sgl_embeds_srt import tenants
 
 PATH = "/sgl_embeds/spans"
 
@@ -46,11 +48,23 @@ _OWN_BUFFER_SLACK = 1 / 16
 
 class SpanStore:
     """Held spans by content key (each a ``Span`` with its rows, content key and row digests),
-    least recently used evicted first, at most ``budget`` bytes (rows and digests)."""
+    least recently used evicted first, at most ``budget`` bytes (rows and digests). With tenants
+    (``tenants.py``) each tenant has its own handles and an equal share of the budget: one
+    tenant's uploads never evict, and its handles never name, another's."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self._lru: LRU[Span] = LRU(budget, _weight)
+    def __init__(self, budget: int, shares: int = 1) -> None:
+        self.budget = budget // shares
+        self._lrus: dict[str | None, LRU[Span]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def _lru(self) -> LRU[Span]:
+        """The current tenant's handles."""
+        tenant = tenants.current()
+        with self._lock:
+            if tenant not in self._lrus:
+                self._lrus[tenant] = LRU(self.budget, _weight)
+            return self._lrus[tenant]
 
     def put(self, span: Span) -> Span:
         """Hold ``span`` (``keys.keyed``: its rows decoded from a request, nobody writes to them; a

@@ -14,7 +14,7 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from sgl_embeds_srt import parse, prompts
+from sgl_embeds_srt import parse, prompts, tenants
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import ImageText
 from sgl_embeds_srt.handles import SpanStore
@@ -170,4 +170,6 @@ def generate_request(original: Callable, self: Any, obj: Any, request: Any = Non
     stock = being_served() if request is not None else None
     if stock is not None and stock.prompt_rows is not None:
         obj.positional_embed_overrides = stock.prompt_rows
+    if tenants.current() is not None and hasattr(obj, "extra_key"):  # the tenant's own cache entries
+        obj.extra_key = tenants.extra_key(obj.extra_key)
     return original(self, obj, request)

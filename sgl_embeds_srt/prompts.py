@@ -23,6 +23,7 @@ from sgl_embeds_srt.placeholders import bidirectional_ids, placeholder_ids
 from sgl_embeds_protocol.segments import Span, Ids, Segment, Text
 from sgl_embeds_srt.token_ids import check_ids
 from sgl_embeds_srt.prompt_rows import PromptRows
+from sgl_embeds_srt import tenants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
                 positions.extend(image.positions)
                 ids.extend(span_ids)
             rows_per_span.append(t)
-            content_keys.append(s.content_key)
+            content_keys.append(s.content_key and tenants.scoped(s.content_key))  # held rows: per tenant
             bidirectional.append(s.bidirectional)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token or embedding row")

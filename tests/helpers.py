@@ -20,8 +20,10 @@ from sgl_embeds_testing.server import Server, cpu_env
 
 GREEDY = {"temperature": 0.0}
 # A pooled server of each family served (tests/conftest.py): a text LLM, the Qwen-VL families served
-# natively (Qwen2.5-VL, Qwen3-VL, Qwen2-VL; NaN vision towers) and a split LLaVA-NeXT's LLM
-FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next", "paligemma", "gemma3_vlm")
+# natively (Qwen2.5-VL, Qwen3-VL, Qwen2-VL; NaN vision towers), a split LLaVA-NeXT's LLM, and the
+# split Gemmas (PaliGemma, Gemma 3, Gemma 4's E2B layout)
+FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next", "paligemma", "gemma3_vlm",
+                  "gemma4_vlm")
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
 # output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
 # (SGLang then recomputes the whole prompt: no prefix-cache hit)
@@ -174,3 +176,54 @@ def image_chat(backend, question: str, images: int) -> str:
 
     content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
     return render_chat(backend.server_info.model.vision_dir, [{"role": "user", "content": content}])
+
+
+def chat_part_answer(url: str, model: str, rows, question: str, max_tokens: int, **part_fields) -> dict:
+    """The chat route's greedy answer (as a /generate response, with logprobs) to one user turn:
+    the image's ``rows`` as an ``input_embeds`` part (with ``part_fields``), then ``question``."""
+    res = requests.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": max_tokens, "temperature": 0, "logprobs": True, "return_token_ids": True,
+        "messages": [{"role": "user", "content": [
+            {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows), **part_fields},
+            {"type": "text", "text": question}]}]})
+    assert res.status_code == 200, res.text
+    return chat_as_generate(res.json())
+
+
+def assert_image_chat_route(server, rows, question: str, segments: list, check: Callable, image_word: str,
+                            max_tokens: int, causal_check: Callable | None = None) -> None:
+    """The chat route of a split VLM that writes images as its processor does (``ImageText``):
+    the image's ``rows`` as a part answer as ``check(out, context)`` says HF does, directly and
+    through smg (cache-aware) in front of the server; with ``causal_check``, a part marked
+    ``attention: causal`` answers as HF with the image attended causally. Through the gateway a
+    text that writes ``image_word`` by hand is refused, and a program's ``segments``
+    (``EmbedsEndpoint``: binary body, its own routing hint) answer as ``check`` says, then hit the
+    cache on a repeat."""
+    from sgl_embeds.backend import EmbedsEndpoint
+    from sgl_embeds_protocol.segments import ATTENTION, CAUSAL
+    from sgl_embeds_testing.server import Gateway
+
+    model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    direct = chat_part_answer(server.url, model, rows, question, max_tokens)
+    check(direct, "chat route: ")
+    if causal_check is not None:
+        causal_check(chat_part_answer(server.url, model, rows, question, max_tokens, **{ATTENTION: CAUSAL}),
+                     "chat route, attention causal: ")
+    gateway = Gateway([server.url]).start()
+    try:
+        through = chat_part_answer(gateway.url, model, rows, question, max_tokens)
+        assert through["output_ids"] == direct["output_ids"]
+        check(through, "chat route through the gateway: ")
+        written_by_hand = requests.post(gateway.url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)},
+                {"type": "text", "text": image_word + question}]}]})
+        assert written_by_hand.status_code == 400, written_by_hand.text
+        assert f"the text may not hold {image_word!r}" in error_message(written_by_hand)
+        sent = {**OUTPUT_LOGPROBS, "sampling_params": {**GREEDY, "max_new_tokens": max_tokens}}
+        answers = [EmbedsEndpoint(gateway.url).run(input_segments=segments, **sent) for _ in range(2)]
+        check(answers[0], "a program's segments through the gateway: ")
+        assert answers[1]["output_ids"] == answers[0]["output_ids"]
+        assert answers[1]["meta_info"]["cached_tokens"] == answers[1]["meta_info"]["prompt_tokens"] - 1
+    finally:
+        gateway.stop()

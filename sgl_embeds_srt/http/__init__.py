@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
+from sgl_embeds_srt import tenants
 from sgl_embeds_srt.http.middleware import ROUTES, SpanMiddleware
 
 logger = logging.getLogger(__name__)
@@ -30,11 +31,28 @@ def install(app: Any) -> None:
     logger.info("sgl_embeds: span prompts enabled on %s", ", ".join(sorted(ROUTES)))
 
 
+def check_tenants(server_args: Any) -> None:
+    """With ``tenants.TENANTS_ENV``: its table readable and well-formed, and no ``--api-key``
+    beside it (SGLang's check, outside ours, would refuse every tenant's key but that one);
+    a ``SystemExit`` that stops the launch otherwise."""
+    try:
+        table = tenants.key_table()
+    except ValueError as e:
+        raise SystemExit(f"sgl_embeds refuses to start: {e}") from None
+    if table is not None and getattr(server_args, "api_key", None):
+        raise SystemExit(f"sgl_embeds refuses to start: --api-key and {tenants.TENANTS_ENV} both set; "
+                         "with tenants every tenant's key is an API key: drop --api-key")
+    if table is not None:
+        logger.info("sgl_embeds: %d tenants, each with its own cache entries, handles and held rows",
+                    tenants.count())
+
+
 def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook of ``http_server.launch_server``: install the middleware on SGLang's app, and
     in multi-tokenizer mode on the app of every HTTP worker process."""
     from sglang.srt.entrypoints.http_server import app  # SGLang not ready at plugin load
 
+    check_tenants(server_args)
     install(app)
     if server_args.tokenizer_worker_num > 1:
         current = os.environ.get("SGLANG_HTTP_SERVER_APP_PATH", _STOCK_APP_PATH)

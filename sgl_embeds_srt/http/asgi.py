@@ -51,10 +51,10 @@ def parse_json(body: bytes) -> Any:
 
 def is_binary(scope: dict) -> bool:
     """Whether the request's body is a binary body (``binary_body.CONTENT_TYPE``)."""
-    return binary_body.is_binary(_header(scope, b"content-type"))
+    return binary_body.is_binary(header(scope, b"content-type"))
 
 
-def _header(scope: dict, name: bytes) -> bytes | None:
+def header(scope: dict, name: bytes) -> bytes | None:
     """A request header's value (``name`` lower-case), or None."""
     return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
 
@@ -101,7 +101,7 @@ async def read_body(scope: dict, receive: Callable, limit: int) -> tuple[bytes |
 
 
 def _content_length(scope: dict) -> int | None:
-    value = _header(scope, b"content-length")
+    value = header(scope, b"content-length")
     try:
         return int(value) if value is not None else None
     except ValueError:

@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 from starlette.requests import Request
 
-from sgl_embeds_srt import handles, openai, parse, prompts, token_ids
+from sgl_embeds_srt import handles, openai, parse, prompts, tenants, token_ids
 from sgl_embeds_srt.http import asgi, own_routes
 from sgl_embeds_protocol.keys import UNKNOWN_HANDLE_TYPE
 from sgl_embeds_srt.stock_request import StockRequest, serving
@@ -61,13 +61,26 @@ ROUTES: dict[str, tuple[Detector, Handler]] = {
 
 
 class SpanMiddleware:
-    """Routes requests that carry span fields to our handlers; everything else passes through."""
+    """Routes requests that carry span fields to our handlers; everything else passes through.
+    With tenants (``tenants.py``), each request runs as its API key's tenant, or is refused."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.store = handles.SpanStore(handles.budget_bytes())
+        self.store = handles.SpanStore(handles.budget_bytes(), tenants.count())
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        table = tenants.key_table()
+        if table is None or scope["type"] != "http" or tenants.is_open(scope.get("path", "")):
+            return await self._serve(scope, receive, send)
+        tenant = tenants.tenant_of(asgi.header(scope, b"authorization"), table)
+        if tenant is None:  # as SGLang's --api-key check answers
+            response = asgi.error_response("a tenant's API key is required (Authorization: Bearer <key>)",
+                                           401, kind="Unauthorized")
+            return await response(scope, receive, send)
+        with tenants.acting_for(tenant):
+            await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: dict, receive: Callable, send: Callable) -> None:
         path, method = scope.get("path", ""), scope.get("method")
         if scope["type"] == "http" and path.startswith(own_routes.PREFIX):
             return await own_routes.serve(path, method, self.store, scope, receive, send)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import orjson
 
 from sgl_embeds_protocol import binary_body, family, keys, wire
-from sgl_embeds_srt import handles, parse, transport
+from sgl_embeds_srt import handles, parse, tenants, transport
 from sgl_embeds_srt.http import asgi
 from sgl_embeds_protocol.info import ServerInfo
 
@@ -61,7 +61,7 @@ async def serve(path: str, method: str, store: handles.SpanStore, scope: dict, r
     elif path.startswith(handles.PATH + "/") and method == "DELETE":
         handle = path[len(handles.PATH) + 1 :]
         found = store.delete(handle)
-        transport.release(handle)  # the scheduler's copy too
+        transport.release(tenants.scoped(handle))  # the scheduler's copy too
         response = asgi.json_response({"deleted": found}, 200 if found else 404)
     else:
         response = asgi.error_response(f"no route {method} {path}", 404)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import requests
@@ -32,6 +34,7 @@ from qwen_vl_harness import ask, assert_matches_hf, chat_text, grid_span, span_s
 from sgl_embeds.vlm import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
 from sgl_embeds_protocol import binary_body, wire
@@ -194,13 +197,28 @@ REACHED = {name: [("200 image",), ("200 clip",), GRID_CHECKS, ("4xx clip time",)
 # tested outright in tests/server/test_bidirectional_spans.py. (PaliGemma: every prompt a block.)
 ATTENTION_REACHED = ("200 block", "4xx attention value")
 REACHED_1D = [("200 span",), ("4xx grid on a 1-D model",), ATTENTION_REACHED]
-REACHED["paligemma"] = REACHED_1D
 
 
-# the split Gemma families: the question each is asked after the fuzzing (Gemma 3's in its chat)
+@dataclass(frozen=True)
+class SplitGemma:
+    """A split Gemma family's server after the fuzzing: the question it is asked (``question(backend)``:
+    the prompt HF is given) and HF's checkpoint, greedy and model loader."""
+
+    question: Callable
+    checkpoint: Callable
+    greedy: Callable
+    hf: Callable
+
+
+def _chat_question(backend) -> str:
+    return helpers.image_chat(backend, "What is in the image?", 1)
+
+
 SPLIT_GEMMAS = {
-    "paligemma": lambda backend: "caption en",
-    "gemma3_vlm": lambda backend: helpers.image_chat(backend, "What is in the image?", 1),
+    "paligemma": SplitGemma(lambda backend: "caption en", lambda: tiny_paligemma_dir(1), ref.paligemma_greedy,
+                            ref.hf_paligemma),
+    "gemma3_vlm": SplitGemma(_chat_question, tiny_gemma3_dir, ref.gemma3_greedy, ref.hf_gemma3),
+    "gemma4_vlm": SplitGemma(_chat_question, lambda: tiny_gemma4_dir("e2b"), ref.gemma4_greedy, ref.hf_gemma4),
 }
 
 
@@ -219,16 +237,16 @@ def _answers_like_hf(name: str, server, llava_dirs) -> None:
         assert_matches_hf(ask(server, span_segments(text, [grid_span(checkpoint, image)])), checkpoint, text,
                           [image], name)
     elif name in SPLIT_GEMMAS:
-        backend, question = sgl_embeds.connect(server.url), SPLIT_GEMMAS[name]
-        text = backend.vision_encoder.prompt_text(question(backend), 1)
+        backend, gemma = sgl_embeds.connect(server.url), SPLIT_GEMMAS[name]
+        question = gemma.question(backend)
+        text = backend.vision_encoder.prompt_text(question, 1)
         out = backend.run(input_segments=sgl_embeds.compile_program(ask_about, like=backend, text=text, image=image,
                                                                           image_token=backend.vision_encoder.image_token)[0],
                           return_logprob=True, top_logprobs_num=ref.TOP_K,
                           sampling_params={**helpers.GREEDY, "max_new_tokens": 8})
-        checkpoint, greedy, hf = (tiny_paligemma_dir(1), ref.paligemma_greedy, ref.hf_paligemma) \
-            if name == "paligemma" else (tiny_gemma3_dir(), ref.gemma3_greedy, ref.hf_gemma3)
-        ref.assert_vlm_matches_hf(out, lambda prefix=(): greedy(checkpoint, question(backend), [image], 8, prefix),
-                                  ref.eos_ids(hf(str(checkpoint))[0]), f"{name}: ", 6, min_distinct=2)
+        checkpoint = gemma.checkpoint()
+        ref.assert_vlm_matches_hf(out, lambda prefix=(): gemma.greedy(checkpoint, question, [image], 8, prefix),
+                                  ref.eos_ids(gemma.hf(str(checkpoint))[0]), f"{name}: ", 6, min_distinct=2)
     elif name == "llava_next":
         harness = LlavaHarness(name, *llava_dirs(name), server)
         text = harness.text("what is the color of the object")

@@ -13,19 +13,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-import requests
 import sglang as sgl
 
 import helpers
 import sgl_embeds
-from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vlm import image_prompt
-from sgl_embeds_protocol import wire
-from sgl_embeds_protocol.segments import ATTENTION, CAUSAL
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
-from sgl_embeds_testing.server import Gateway
 
 MAX_TOKENS, MIN_COMPARED = 10, 8
 SERVER, CHUNK = "gemma3_vlm", 10
@@ -140,53 +135,16 @@ def test_a_cached_repeat_and_a_second_question_about_the_same_image(servers):
     _check(second, second_chat, [image], "second question: ")
 
 
-def _chat_part_answer(url: str, model: str, rows, question: str, **part_fields) -> dict:
-    """The chat route's answer (as a /generate response) to ``question`` after the image's rows
-    as an ``input_embeds`` part."""
-    res = requests.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "return_token_ids": True,
-        "messages": [{"role": "user", "content": [
-            {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows), **part_fields},
-            {"type": "text", "text": question}]}]})
-    assert res.status_code == 200, res.text
-    return helpers.chat_as_generate(res.json())
-
-
 def test_the_chat_route_and_the_gateway_answer_as_hf_gemma3(servers):
     """The chat route renders an ``input_embeds`` part as ``Gemma3Processor`` writes an image
     (``"\\n\\n<start_of_image>"``, the rows as one block, ``"<end_of_image>\\n\\n"``): HF's tokens and
-    logprobs, directly and through smg (cache-aware) in front of the server; ``attention:
-    causal`` on the part gives HF's answer with the image attended causally. Through the gateway
-    a program's segments (``EmbedsEndpoint``: binary body, its own routing hint) answer as sent
-    directly, and a repeat hits the cache."""
+    logprobs, directly and through smg; ``attention: causal`` on the part gives HF's answer with
+    the image attended causally (``helpers.assert_image_chat_route``)."""
     server = servers.get(SERVER)[0]
     image, question = helpers.random_image(40, 40, seed=31), "What is in the image?"
     backend = _backend(server.url)
-    rows = backend.vision_encoder(image)
     chat = helpers.image_chat(backend, question, 1)
-    model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    direct = _chat_part_answer(server.url, model, rows, question)
-    _check(direct, chat, [image], "chat route: ")
-    causal = _chat_part_answer(server.url, model, rows, question, **{ATTENTION: CAUSAL})
-    _check(causal, chat, [image], "chat route, attention causal: ", causal_images=True)
-
-    gateway = Gateway([server.url]).start()
-    try:
-        through = _chat_part_answer(gateway.url, model, rows, question)
-        assert through["output_ids"] == direct["output_ids"]
-        _check(through, chat, [image], "chat route through the gateway: ")
-        written_by_hand = requests.post(gateway.url + "/v1/chat/completions", timeout=120, json={
-            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [
-                {"type": "input_embeds", "input_embeds": wire.encode_tensor(rows)},
-                {"type": "text", "text": "<start_of_image>" + question}]}]})
-        assert written_by_hand.status_code == 400, written_by_hand.text
-        assert "the text may not hold '<start_of_image>'" in helpers.error_message(written_by_hand)
-        segments = _segments(server, question, [image])
-        sent = {"return_logprob": True, "top_logprobs_num": ref.TOP_K,
-                "sampling_params": {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}}
-        answers = [EmbedsEndpoint(gateway.url).run(input_segments=segments, **sent) for _ in range(2)]
-        _check(answers[0], chat, [image], "a program's segments through the gateway: ")
-        assert answers[1]["output_ids"] == answers[0]["output_ids"]
-        assert answers[1]["meta_info"]["cached_tokens"] == answers[1]["meta_info"]["prompt_tokens"] - 1
-    finally:
-        gateway.stop()
+    helpers.assert_image_chat_route(
+        server, backend.vision_encoder(image), question, _segments(server, question, [image]),
+        lambda out, context: _check(out, chat, [image], context), "<start_of_image>", MAX_TOKENS,
+        causal_check=lambda out, context: _check(out, chat, [image], context, causal_images=True))

@@ -128,3 +128,17 @@ def test_a_cached_repeat_matches_hf_gemma4(servers):
     assert repeat["meta_info"]["cached_tokens"] == repeat["meta_info"]["prompt_tokens"] - 1
     assert repeat["output_ids"] == first["output_ids"]
     _check(repeat, chat, [image], "cached repeat: ")
+
+
+def test_the_chat_route_and_the_gateway_answer_as_hf_gemma4(servers):
+    """The chat route renders an ``input_embeds`` part as ``Gemma4Processor`` writes an image
+    (its begin token, the rows as a causal span, its end token): HF's tokens and logprobs, directly
+    and through smg, and a program's binary body through smg (``helpers.assert_image_chat_route``)."""
+    server = servers.get(SERVER)[0]
+    image, question = helpers.random_image(40, 40, seed=31), "What is in the image?"
+    backend = _backend(server.url)
+    chat = helpers.image_chat(backend, question, 1)
+    helpers.assert_image_chat_route(
+        server, backend.vision_encoder(image), question, _segments(server, question, [image]),
+        lambda out, context: _check(out, chat, [image], context), backend.vision_encoder.image_token,
+        MAX_TOKENS)

@@ -1,10 +1,11 @@
-"""Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5, Qwen2.5-VL and
-Gemma 3 launched by ``python -m sgl_embeds serve`` and the split LLaVA-NeXT's LLM (pool servers
-``llava_llama``, ``qwen_vl``, ``gemma3_vlm``, ``llava_next``), through ``sgl_embeds.connect(url)``.
+"""Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5, Qwen2.5-VL,
+Gemma 3 and Gemma 4 (E2B layout) launched by ``python -m sgl_embeds serve`` and the split
+LLaVA-NeXT's LLM (pool servers ``llava_llama``, ``qwen_vl``, ``gemma3_vlm``, ``gemma4_vlm``,
+``llava_next``), through ``sgl_embeds.connect(url)``.
 For each, one of its calls is sent again with logprobs and its answer is the program's; the call's
 prompt is the one HF's processor renders for the same conversation (the model's own chat template
-and image text, written by ``connect``'s template and ``image_part``; Gemma 3's images expanded as
-its processor expands them, each one block); and its tokens and logprobs equal
+and image text, written by ``connect``'s template and ``image_part``; the Gemmas' images expanded
+as their processors expand them, Gemma 3's each one block); and its tokens and logprobs equal
 HF's own VLM class on the pixels (greedy, float32), or for ``classify``'s ``select`` each label's
 score does, HF's reference changing with the image."""
 
@@ -22,6 +23,7 @@ import sgl_embeds
 from programs import caption_regions, classify, compare_images, extract_attributes, grounded_chat, visual_qa
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir
 from sgl_embeds_testing.models import tiny_llava_dir
 from sgl_embeds_testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
@@ -56,6 +58,8 @@ FAMILIES = {
                          lambda c: hf_qwen_vl(c)[0]),
     "gemma3": Family("gemma3_vlm", tiny_gemma3_dir, ref.gemma3_greedy, ref.gemma3_inputs,
                      lambda c: ref.hf_gemma3(c)[0]),
+    "gemma4": Family("gemma4_vlm", lambda: tiny_gemma4_dir("e2b"), ref.gemma4_greedy, ref.gemma4_inputs,
+                     lambda c: ref.hf_gemma4(c)[0]),
 }
 
 
