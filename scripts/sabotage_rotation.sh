@@ -2,7 +2,7 @@
 # CI's check that the tests still catch a deliberate break: one sabotage patch per run, applied
 # and its tests run with a control run before it (scripts/sabotage.sh NAME); red unless caught.
 # The patch is the commit's first-parent count modulo the number of patches, so any run of that
-# many consecutive commits draws every patch once (23 patches: a window of 23 commits).
+# many consecutive commits draws every patch once (the window: as many commits as there are patches).
 # SABOTAGE=NAME picks one.
 set -u
 cd "$(dirname "$0")/.."

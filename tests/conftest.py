@@ -16,6 +16,10 @@ spans on a Qwen-VL server), ``engine_probe.py``.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
+
 import pytest
 import torch
 
@@ -31,7 +35,7 @@ from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevis
 from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
-from sgl_embeds_testing.gemma4 import tiny_gemma4_dir, tiny_gemma4_llm_half_dir
+from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
@@ -176,9 +180,6 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # images (63 to 70 rows)
         "gemma4_vlm": lambda: Server(tiny_gemma4_dir("e2b"), via_serve=True, env=served["env"],
                                      extra_args=["--enable-cache-report", "--chunked-prefill-size", "16"]),
-        # the LLM half of the Gemma 4 26B / 31B layout as a text LLM (tests/vlm/test_gemma4_31b_llm.py)
-        "gemma4_31b_llm": lambda: Server(tiny_gemma4_llm_half_dir("31b"),
-                                         extra_args=["--chunked-prefill-size", "16"]),
         # Gemma 4 (26B / 31B layout), split by serve (tests/vlm/test_gemma4_31b_parity.py): each
         # image one block on the sliding layers only; 16-position prefill chunks
         "gemma4_31b_vlm": lambda: Server(tiny_gemma4_dir("31b"), via_serve=True, env=served["env"],
@@ -271,6 +272,24 @@ def _prefetch_ahead(pool: ServerPool, items: list, index: int) -> None:
         needed_before |= set(names)
 
 
+def _next_use(items: list, index: int, name: str) -> float:
+    """The index of the first test after ``items[index]`` that asks for ``name`` (inf: none)."""
+    uses = _uses_of(tuple(items))
+    later = uses.get(name, [])
+    position = bisect.bisect_right(later, index)
+    return later[position] if position < len(later) else math.inf
+
+
+@functools.lru_cache(maxsize=1)
+def _uses_of(items: tuple) -> dict[str, list[int]]:
+    """Each pooled server's tests, by index in ``items``."""
+    uses: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        for name in _pooled_names(item):
+            uses.setdefault(name, []).append(i)
+    return uses
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before the test's fixtures: the pooled servers it names run (once the pool exists; the
@@ -278,11 +297,13 @@ def pytest_runtest_setup(item):
     test needs is launched early."""
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None:
+        items = item.session.items
+        index = items.index(item)
+        pool.next_use = lambda name: _next_use(items, index, name)
         pool.begin_test()
         if names := _pooled_names(item):
             pool.get(*names)
-        items = item.session.items
-        _prefetch_ahead(pool, items, items.index(item))
+        _prefetch_ahead(pool, items, index)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -294,10 +315,8 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(line)
 
 
-# The folders in the order they run. Unit tests first; the tutorials last: they ask the pool for
-# servers of the test modules before them (the LLaVA and Qwen2.5-VL ones), still running when
-# their modules came just before, instead of started for the tutorials in the middle of the run
-# and again later for their own modules.
+# The folders in the order they run, unit tests first (then ``_fewest_launches`` moves the tests
+# that use pooled servers).
 FOLDERS = ("unit", "server", "vlm", "examples")
 
 
@@ -312,19 +331,43 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.vlm)
     # stable: file order within a folder
     items.sort(key=lambda item: FOLDERS.index(item.path.parent.name) if item.path.parent.name in FOLDERS else -1)
-    items[:] = _beside_last_use(items)
+    items[:] = _fewest_launches(items)
 
 
-def _beside_last_use(items: list) -> list:
-    """``items`` with each test marked ``beside_last_use`` (the fuzzers, on a server of every
-    family) moved after the last other test that needs one of its pooled servers, in their
-    order: where those servers still run, instead of starting them once more for it alone."""
-    moved = [item for item in items if item.get_closest_marker("beside_last_use")]
-    rest = [item for item in items if not item.get_closest_marker("beside_last_use")]
-    after: dict[int, list] = {}  # index in rest -> the moved tests that run after it
-    for item in moved:
-        names = set(_pooled_names(item))
-        stays = sum(1 for other in items[:items.index(item)] if other in rest) - 1
-        users = [i for i, other in enumerate(rest) if names & set(_pooled_names(other))]
-        after.setdefault(max([stays, *users]), []).append(item)
-    return after.get(-1, []) + [x for i, item in enumerate(rest) for x in (item, *after.get(i, []))]
+def _launches(unit: list, running: list[str]) -> int:
+    """How many pooled servers ``unit``'s tests start, from ``running`` (least recently used
+    first, updated in place: the pool's state after them, as ``MAX_RUNNING`` allows)."""
+    count = 0
+    for item in unit:
+        names = _pooled_names(item)
+        for name in names:
+            if name in running:
+                running.remove(name)
+            else:
+                count += 1
+                idle = [n for n in running if n not in names]
+                while len(running) >= MAX_RUNNING and idle:
+                    running.remove(idle.pop(0))
+            running.append(name)
+    return count
+
+
+def _fewest_launches(items: list) -> list:
+    """``items`` with the tests that use pooled servers last, in an order that starts each server
+    as few times as possible (each start costs ~40 s of this machine's two cores). They run in
+    units (a module's tests; in a module marked ``per_server``, its tests of each set of servers:
+    the fuzzers, the programs, the tutorials, each on the servers of every family), greedily: next,
+    the unit that starts the fewest servers given those running then, ties in file order. The
+    tests are independent of their order (issue #48), so only their servers' starts change."""
+    pooled = [item for item in items if _pooled_names(item)]
+    units: dict[tuple, list] = {}
+    for item in pooled:
+        servers = tuple(sorted(_pooled_names(item))) if item.get_closest_marker("per_server") else ()
+        units.setdefault((item.path, servers), []).append(item)
+    left, ordered, running = list(units.values()), [], []
+    while left:
+        unit = min(left, key=lambda u: _launches(u, list(running)))  # the first of the fewest
+        _launches(unit, running)
+        left.remove(unit)
+        ordered.extend(unit)
+    return [item for item in items if not _pooled_names(item)] + ordered

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import requests
+import sglang as sgl
 import torch
 from PIL import Image
 
@@ -167,6 +168,29 @@ def assert_retraction_keeps_outputs(roomy, constrained, prompts_of: Callable[[in
         retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
         attempts += 1
     assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
+
+
+IMAGE_ANSWER_TOKENS = 10
+
+
+@sgl.function
+def ask_images(s, text, images, image_token):
+    """One prompt, ``text`` with an image's span at each ``image_token``, then a greedy answer."""
+    from sgl_embeds.vlm import image_prompt
+
+    s += image_prompt(text, images, image_token)
+    s += sgl.gen("answer", max_tokens=IMAGE_ANSWER_TOKENS, temperature=0)
+
+
+def image_segments(backend, question: str, images: list) -> list:
+    """The segments ``ask_images`` sends for one user turn of ``images`` and ``question`` (the
+    served checkpoint's chat, ``image_chat``, expanded by the endpoint's encoder)."""
+    import sgl_embeds
+
+    encoder = backend.vision_encoder
+    text = encoder.prompt_text(image_chat(backend, question, len(images)), len(images))
+    return sgl_embeds.compile_program(ask_images, like=backend, text=text, images=images,
+                                      image_token=encoder.image_token)[0]
 
 
 def image_chat(backend, question: str, images: int) -> str:

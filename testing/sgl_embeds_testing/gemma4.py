@@ -21,8 +21,6 @@ from transformers import (
 )
 
 from sgl_embeds.serve import build_once
-from sgl_embeds.vlm.files import Tensors, weight_index
-from sgl_embeds.vlm.gemma4 import llm_keys, write_vision_half
 from sgl_embeds_testing.models import TINY_HIDDEN, cache_dir, save_scaled_vlm, train_tokenizer
 
 GEMMA4_CACHE_VERSION = "v1"
@@ -133,25 +131,3 @@ def tiny_gemma4_dir(layout: str) -> Path:
         processor.save_pretrained(tmp)
 
     return build_once(cache_dir() / f"tiny-gemma4-{layout}-{GEMMA4_CACHE_VERSION}", build)
-
-
-def tiny_gemma4_llm_half_dir(layout: str) -> Path:
-    """The LLM half of ``tiny_gemma4_dir(layout)`` as ``split`` writes it (a ``Gemma4ForCausalLM``,
-    its tokenizer) and its vision half in ``vision/`` beside it, without the family file: served
-    as a text LLM whose spans are plain (causal). For the ``"31b"`` layout, which ``split``
-    refuses (its images are blocks on the sliding layers only), this serves everything of its LLM
-    but that mask (HF's ``causal_images`` answer)."""
-    src = tiny_gemma4_dir(layout)
-
-    def build(tmp: Path) -> None:
-        text = Gemma4Config.from_pretrained(src).text_config
-        text.architectures = ["Gemma4ForCausalLM"]
-        text.save_pretrained(tmp)
-        weights = weight_index(src)
-        tensors = Tensors(weights)
-        save_file({name: tensors[key].contiguous() for name, key in llm_keys(weights).items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
-        write_vision_half(src, tmp / "vision")
-
-    return build_once(cache_dir() / f"tiny-gemma4-{layout}-llm-{GEMMA4_CACHE_VERSION}", build)

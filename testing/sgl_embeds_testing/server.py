@@ -211,11 +211,13 @@ def stop_all(servers: list[Server]) -> None:
 
 class ServerPool:
     """Servers by name, started when first asked for and kept for later tests, at most
-    ``max_running`` at a time (each SGLang server holds ~2 GB and some CPU even when idle).
+    ``max_running`` at a time (each SGLang server holds ~2 GB and some CPU even when idle); to
+    make room, the idle one needed again last (``next_use``, where known; else the least recently
+    used) stops first.
 
     ``get`` starts the ones of its names not running, together (their startups overlap), after
-    stopping the least recently used ones that no part of the current test asked for (``begin_test``
-    starts a test). ``prefetch`` launches a server a later test will ask for without waiting for
+    stopping idle ones (that no part of the current test asked for: ``begin_test`` starts a
+    test) to make room. ``prefetch`` launches a server a later test will ask for without waiting for
     it, so its startup (mostly one core importing SGLang) overlaps the tests before that one; its
     ``get`` then only waits for it. A stopped server keeps its object and port and restarts in
     place when asked for again, so URLs handed out earlier stay good. A server that failed to
@@ -234,6 +236,15 @@ class ServerPool:
         # ready (a prefetched start that finished in time costs no wait): ``start_report``
         self.starts: dict[str, int] = {}
         self.waited_s: dict[str, float] = {}
+        # where known, when each server is next needed (a larger number: later; the test run's
+        # order): the one needed last is stopped first, else the least recently used
+        self.next_use: Callable[[str], float] | None = None
+
+    def _stop_order(self, idle: list[str]) -> list[str]:
+        """``idle`` servers in the order to stop them to make room."""
+        if self.next_use is None:
+            return idle
+        return sorted(idle, key=self.next_use, reverse=True)
 
     def begin_test(self) -> None:
         self.in_use = set()
@@ -278,7 +289,7 @@ class ServerPool:
         if name in self.running or name in self.launched or name in self.failed:
             return False
         if self.max_running is not None:
-            idle = [n for n in self.running if n not in self.in_use and n not in keep]
+            idle = self._stop_order([n for n in self.running if n not in self.in_use and n not in keep])
             excess = len(self.running) + len(self.launched) + 1 - self.max_running
             if excess > len(idle):
                 return False
@@ -296,7 +307,7 @@ class ServerPool:
         more fit under ``max_running`` (for servers of the pool, or a test's own)."""
         if self.max_running is None:
             return
-        idle = [name for name in self.running if name not in self.in_use]
+        idle = self._stop_order([name for name in self.running if name not in self.in_use])
         excess = len(self.running) + len(self.launched) + count - self.max_running
         stop_all([self.running.pop(name) for name in idle[:max(excess, 0)]])
 

@@ -15,6 +15,7 @@ from nbclient import NotebookClient
 
 from sgl_embeds_testing.claims import claims_in
 
+pytestmark = pytest.mark.per_server  # each tutorial where its servers run anyway
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.ipynb"))
 MIN_CLAIMS = 3
 # A notebook reads the URL of a running server from one of these (and starts its own without):
@@ -26,7 +27,8 @@ SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
                "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
                "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
-               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm"}  # the tiny Gemma 3, served split
+               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
+               "SGL_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
 
 
 def _claims(book) -> list[str]:

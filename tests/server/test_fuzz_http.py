@@ -41,7 +41,7 @@ from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
 from strategies import HELD_ROWS, payloads, prompts
 
-pytestmark = pytest.mark.beside_last_use  # where the servers of the families run anyway
+pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
 LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
 PAYLOAD_EXAMPLES, PROMPT_EXAMPLES = (LONG, LONG) if LONG else (24, 100)
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,

@@ -15,7 +15,7 @@ from helpers import seeded_rows, span, text
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE
 from strategies import HELD_ROWS, held_grid
 
-pytestmark = pytest.mark.beside_last_use  # where the servers of the families run anyway
+pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
 VOCAB = 507  # the tiny Llama's (its tokenizer's size; checked against the server below)
 
 

@@ -82,6 +82,20 @@ def test_at_most_max_running_run_and_the_least_recently_used_idle_one_stops_firs
     assert pool.made["b"] is pool.running["b"] and list(pool.running) == ["a", "b"]
 
 
+def test_where_the_next_uses_are_known_the_idle_server_needed_last_stops_first():
+    log: list = []
+    pool = ServerPool({name: (lambda name=name: RecordingServer(name, log)) for name in "abcd"}, max_running=3)
+    pool.get("a", "b", "c")
+    pool.next_use = {"a": 5, "b": float("inf"), "c": 9}.get  # b: never again; then c, then a
+    pool.begin_test()
+    pool.get("a")  # a is the most recently used: the least recently used would be b anyway
+    pool.next_use = {"a": 5, "b": 7, "c": 9}.get
+    pool.begin_test()
+    log.clear()
+    pool.get("d")  # b is less recently used than c, but c is needed later
+    assert log == [("ask", "c"), ("wait", "c"), ("start", "d")] and set(pool.running) == {"a", "b", "d"}
+
+
 def test_servers_the_current_test_asked_for_are_never_stopped_to_make_room():
     log: list = []
     pool = ServerPool({name: (lambda name=name: RecordingServer(name, log)) for name in "abc"}, max_running=1)

@@ -17,12 +17,11 @@ import sglang as sgl
 
 import helpers
 import sgl_embeds
-from sgl_embeds.vlm import image_prompt
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 
-MAX_TOKENS, MIN_COMPARED = 10, 8
+MAX_TOKENS, MIN_COMPARED = helpers.IMAGE_ANSWER_TOKENS, 8
 SERVER, CHUNK = "gemma3_vlm", 10
 pytestmark = pytest.mark.pooled(SERVER)
 
@@ -32,10 +31,7 @@ def _backend(url: str):
     return sgl_embeds.connect(url)
 
 
-@sgl.function
-def ask(s, text, images, image_token):
-    s += image_prompt(text, images, image_token)
-    s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+ask = helpers.ask_images  # MAX_TOKENS greedy tokens
 
 
 def _ask(server, question: str, images: list, program: bool = True) -> tuple[dict, str]:
@@ -57,10 +53,7 @@ def _ask(server, question: str, images: list, program: bool = True) -> tuple[dic
 
 def _segments(server, question: str, images: list) -> list:
     """The segments ``ask`` sends for ``question`` about ``images``."""
-    backend = _backend(server.url)
-    encoder = backend.vision_encoder
-    text = encoder.prompt_text(helpers.image_chat(backend, question, len(images)), len(images))
-    return sgl_embeds.compile_program(ask, like=backend, text=text, images=images, image_token=encoder.image_token)[0]
+    return helpers.image_segments(_backend(server.url), question, images)
 
 
 def _blocks(segments: list) -> list[tuple[int, int]]:

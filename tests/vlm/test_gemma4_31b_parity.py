@@ -3,23 +3,31 @@ bidirectional block on the sliding layers only, as window AND (causal OR block),
 causal (HF's ``create_masks_for_vision_model``); images of 63-70 rows against a sliding window of
 48, so the order of window and block matters (tests/sabotage/gemma4_blocks_*.patch); 16-position
 prefill chunks (a block is prefilled whole). Greedy tokens and logprobs equal HF ``Gemma4ForConditionalGeneration`` for one image at a
-time and two images, through ``run()`` and a program; HF's answer changes with its images causal."""
+time and two images, through ``run()`` and a program; HF's answer changes with its images causal.
+Text prompts, and image rows sent as plain (causal) spans, give HF's answer with the images
+attended causally: the LLM's experts, k=v full layers and one KV head as HF computes them, and
+HF's answer changes without the router's scale, which SGLang's CPU norm dropped
+(``model_runner.router_scaled``; tests/sabotage/gemma4_router_unscaled.patch)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import pytest
-import sglang as sgl
+import torch
+from torch import nn
+from transformers.models.gemma4 import modeling_gemma4
 
 import helpers
 import sgl_embeds
-from sgl_embeds.vlm import image_prompt
+from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import synthetic_scene
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 
-MAX_TOKENS, MIN_COMPARED = 10, 8
+MAX_TOKENS, MIN_COMPARED = helpers.IMAGE_ANSWER_TOKENS, 8
 SERVER = "gemma4_31b_vlm"
 pytestmark = pytest.mark.pooled(SERVER)
 
@@ -29,19 +37,12 @@ def _backend(url: str):
     return sgl_embeds.connect(url)
 
 
-@sgl.function
-def ask(s, text, images, image_token):
-    s += image_prompt(text, images, image_token)
-    s += sgl.gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+ask = helpers.ask_images  # MAX_TOKENS greedy tokens
 
 
 def _segments(server, question: str, images: list) -> list:
     """The segments ``ask`` sends for ``question`` about ``images``."""
-    backend = _backend(server.url)
-    encoder = backend.vision_encoder
-    text = encoder.prompt_text(helpers.image_chat(backend, question, len(images)), len(images))
-    return sgl_embeds.compile_program(ask, like=backend, text=text, images=images,
-                                      image_token=encoder.image_token)[0]
+    return helpers.image_segments(_backend(server.url), question, images)
 
 
 def _ask(server, question: str, images: list) -> tuple[dict, str]:
@@ -105,3 +106,63 @@ def test_the_chat_route_and_the_gateway_answer_as_hf_gemma4_31b(servers):
         server, backend.vision_encoder(image), question, _segments(server, question, [image]),
         lambda out, context: _check(out, chat, [image], context), backend.vision_encoder.image_token,
         MAX_TOKENS, causal_check=lambda out, context: _check(out, chat, [image], context, causal_images=True))
+
+
+@contextlib.contextmanager
+def _router_unscaled():
+    """HF's Gemma 4 router without its learned scale and hidden**-0.5 (what SGLang's CPU norm
+    computed before ``router_scaled``)."""
+    scaled = modeling_gemma4.Gemma4TextRouter.forward
+
+    def forward(self, hidden_states):
+        probabilities = nn.functional.softmax(self.proj(self.norm(hidden_states)), dim=-1,
+                                              dtype=torch.float32)
+        weights, index = torch.topk(probabilities, k=self.config.top_k_experts, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return probabilities, weights * self.per_expert_scale[index], index
+
+    modeling_gemma4.Gemma4TextRouter.forward = forward
+    try:
+        yield
+    finally:
+        modeling_gemma4.Gemma4TextRouter.forward = scaled
+
+
+def _check_causal(out: dict, text: str, images: list, context: str) -> None:
+    """``out`` equal to HF's answer with the images attended causally, which must change
+    without the router's scale."""
+    checkpoint = tiny_gemma4_dir("31b")
+    model, _ = ref.hf_gemma4(str(checkpoint))
+    reference = ref.assert_vlm_matches_hf(
+        out, lambda prefix=(): ref.gemma4_greedy(checkpoint, text, images, MAX_TOKENS, prefix,
+                                                 causal_images=True),
+        ref.eos_ids(model), context, MIN_COMPARED, min_distinct=2)
+    with _router_unscaled():
+        unscaled = ref.gemma4_greedy(checkpoint, text, images, MAX_TOKENS, causal_images=True)
+    assert unscaled.tokens != reference.tokens, f"{context}HF's answer must change with the router's scale"
+
+
+TEXTS = ["hello there",
+         "<|turn>user\nWhat is the color of the object on the table near the window<turn|>\n<|turn>model\n"]
+
+
+def test_text_and_causal_image_spans_match_hf_gemma4_31b(servers):
+    """The LLM alone, as a text LLM serves it: text prompts, and the images' rows as plain spans
+    (no ``attention``), each HF's answer with causal images."""
+    server = servers.get(SERVER)[0]
+    endpoint = EmbedsEndpoint(server.url)
+    _, processor = ref.hf_gemma4(str(tiny_gemma4_dir("31b")))
+    for i, text in enumerate(TEXTS):
+        ids = processor.tokenizer(text)["input_ids"]
+        out = endpoint.run(input_segments=[sgl_embeds.Ids(ids)], return_logprob=True,
+                           top_logprobs_num=ref.TOP_K,
+                           sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+        _check_causal(out, text, [], f"text {i}: ")
+    images = [synthetic_scene(), helpers.random_image(40, 40, seed=5)]
+    question = "Which one is brighter?"
+    segments = [dataclasses.replace(s, bidirectional=False) if isinstance(s, sgl_embeds.Span) else s
+                for s in _segments(server, question, images)]
+    assert sum(isinstance(s, sgl_embeds.Span) for s in segments) == 2
+    out = endpoint.run(input_segments=segments, return_logprob=True, top_logprobs_num=ref.TOP_K,
+                       sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS})
+    _check_causal(out, helpers.image_chat(_backend(server.url), question, 2), images, "two causal images: ")

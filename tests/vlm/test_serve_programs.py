@@ -31,6 +31,7 @@ from sgl_embeds.vision import crop, encode_region
 from sgl_embeds.vlm import render_chat
 from sgl_embeds_protocol import segments as seg
 
+pytestmark = pytest.mark.per_server  # each family's cases where its server runs anyway
 MAX_TOKENS = 8
 MIN_COMPARED = 6
 IMAGE, OTHER_IMAGE, THIRD_IMAGE = (helpers.random_image(96, 80, seed=3), helpers.random_image(80, 96, seed=4),
