@@ -264,12 +264,13 @@ def build_once(target: Path, build: Callable[[Path], None], done: str = "config.
     return target
 
 
-TENANTS_FLAG = "--tenants"
+TENANTS_FLAG, SKIP_WARMUP = "--tenants", "--skip-server-warmup"
 
 
 def _tenants_flag(flags: list[str]) -> tuple[list[str], str | None]:
     """``flags`` without ``--tenants FILE`` (serve's own flag: a JSON file of API key -> tenant,
-    docs/reliability.md, "Tenants"), and that file's absolute path (None without the flag)."""
+    docs/reliability.md, "Tenants") and with ``--skip-server-warmup`` where it was given, and
+    that file's absolute path (None without the flag)."""
     rest, path = [], None
     it = iter(flags)
     for flag in it:
@@ -279,10 +280,14 @@ def _tenants_flag(flags: list[str]) -> tuple[list[str], str | None]:
                 raise ServeError(f"{TENANTS_FLAG} takes a JSON file of API key -> tenant, got {path!r}")
         else:
             rest.append(flag)
-    if path is not None and any(f == "--api-key" or f.startswith("--api-key=") for f in rest):
+    if path is None:
+        return rest, None
+    if any(f == "--api-key" or f.startswith("--api-key=") for f in rest):
         raise ServeError(f"{TENANTS_FLAG} and --api-key both given: with tenants every tenant's key "
                          "is an API key; drop --api-key")
-    return rest, None if path is None else str(Path(path).resolve())
+    if SKIP_WARMUP not in rest:  # SGLang's warm-up requests carry no tenant's key
+        rest.append(SKIP_WARMUP)
+    return rest, str(Path(path).resolve())
 
 
 def plugin_installed() -> bool:

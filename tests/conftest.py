@@ -1,9 +1,10 @@
 """Shared fixtures: test models built once per run, one real SGLang server per configuration.
 
 Shared servers live in one session pool (``servers``): each starts when a test first needs it,
-those a test needs together start together, at most ``MAX_RUNNING`` run at once (the least
-recently used stop to make room, and restart on the same port when needed again), and all stop
-together at the end, by their own pids. Before each test, the pooled servers its fixtures name
+those a test needs together start together, at most ``MAX_RUNNING`` run at once (the one needed
+again last stops to make room, and restarts on the same port when needed again), and all stop
+together at the end, by their own pids. The tests that use them run in the order that starts
+them fewest times (``_fewest_launches``). Before each test, the pooled servers its fixtures name
 (``<name>_server``, ``gateway``) are made to run. Tests live in folders by what they need
 (``unit/``: no server; ``server/``: a real SGLang server; ``vlm/``: the vision model families, with
 or without one; ``examples/``: the tutorials). Tests that use a server, and every test under

@@ -32,9 +32,9 @@ def install(app: Any) -> None:
 
 
 def check_tenants(server_args: Any) -> None:
-    """With ``tenants.TENANTS_ENV``: its table readable and well-formed, and no ``--api-key``
-    beside it (SGLang's check, outside ours, would refuse every tenant's key but that one);
-    a ``SystemExit`` that stops the launch otherwise."""
+    """With ``tenants.TENANTS_ENV``: its table readable and well-formed, no ``--api-key`` beside
+    it (SGLang's check, outside ours, would refuse every tenant's key but that one), and SGLang's
+    warm-up skipped (its requests carry no key); a ``SystemExit`` that stops the launch otherwise."""
     try:
         table = tenants.key_table()
     except ValueError as e:
@@ -42,6 +42,10 @@ def check_tenants(server_args: Any) -> None:
     if table is not None and getattr(server_args, "api_key", None):
         raise SystemExit(f"sgl_embeds refuses to start: --api-key and {tenants.TENANTS_ENV} both set; "
                          "with tenants every tenant's key is an API key: drop --api-key")
+    if table is not None and not getattr(server_args, "skip_server_warmup", False):
+        raise SystemExit(f"sgl_embeds refuses to start: with {tenants.TENANTS_ENV}, add "
+                         "--skip-server-warmup (SGLang's warm-up requests carry no tenant's key and "
+                         "would be refused; `sgl_embeds serve --tenants` adds it)")
     if table is not None:
         logger.info("sgl_embeds: %d tenants, each with its own cache entries, handles and held rows",
                     tenants.count())

@@ -27,8 +27,7 @@ SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
                "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
                "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
-               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
-               "SGL_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
+               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm"}  # the tiny Gemma 3, served split
 
 
 def _claims(book) -> list[str]:

@@ -92,7 +92,7 @@ def test_a_gateway_routes_each_keys_prompts_apart():
 def test_serve_takes_a_tenants_file_and_refuses_it_beside_an_api_key(tmp_path):
     path = _table_file(tmp_path, TABLE)
     launch = serve.plan(tiny_model_dir("llama"), ["--tenants", path, "--port", "1"], progress=False)
-    assert launch.env[tenants.TENANTS_ENV] == path and launch.args[-2:] == ["--port", "1"]
+    assert launch.env[tenants.TENANTS_ENV] == path and launch.args[-3:] == ["--port", "1", "--skip-server-warmup"]
     assert "--tenants" not in launch.args
     assert serve.plan(tiny_model_dir("llama"), [f"--tenants={path}"], progress=False).env[tenants.TENANTS_ENV] == path
     with pytest.raises(serve.ServeError, match="drop --api-key"):
