@@ -201,8 +201,7 @@ def prompt_text(text: str, vision: Gemma4Vision, images: int | None = None) -> s
     if vision.boi_token in text or vision.eoi_token in text:
         raise ValueError(f"the prompt already holds {vision.boi_token!r} or {vision.eoi_token!r}: "
                          f"write each image as one {vision.image_token!r}")
-    image = f"{vision.boi_token}{vision.image_token}{vision.eoi_token}"
-    return text.removeprefix(vision.bos_token).replace(vision.image_token, image)
+    return vision.image_text.expand(text.removeprefix(vision.bos_token), vision.image_token)
 
 
 def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma4Vision) -> seg.Prompt:
@@ -264,6 +263,17 @@ class Gemma4Encoder:
     def image_token(self) -> str:
         """Where ``prompt_text`` puts each image's rows (``image_prompt``'s token)."""
         return self.config.image_token
+
+    @property
+    def image_text(self) -> ImageText:
+        """How the processor writes an image (``Gemma4Vision.image_text``): ``connect``'s chat
+        template writes an image part so."""
+        return self.config.image_text
+
+    @property
+    def bos_token(self) -> str:
+        """The bos the chat template writes first and the server writes instead."""
+        return self.config.bos_token
 
     @property
     def mean_color(self) -> tuple[int, int, int]:

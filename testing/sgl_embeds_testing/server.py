@@ -371,10 +371,19 @@ class Gateway:
         self.stop()
         raise ServerStartError(f"smg did not see {len(self.worker_urls)} healthy workers in {timeout:.0f} s")
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What its own routes (``/workers``) need: with keys (``--api-key``, ``--tenant-api-key``)
+        smg authenticates every caller, so the shared key when it has one."""
+        if "--api-key" not in self.args:
+            return {}
+        return {"Authorization": f"Bearer {self.args[self.args.index('--api-key') + 1]}"}
+
     def healthy_workers(self) -> list[str]:
         """URLs of the workers the gateway routes to now."""
         try:
-            workers = requests.get(self.url + "/workers", timeout=2).json()["workers"]
+            workers = requests.get(self.url + "/workers", headers=self.admin_headers,
+                                   timeout=2).json()["workers"]
         except (requests.RequestException, ValueError, KeyError):
             return []
         return [w["url"] for w in workers if w.get("is_healthy")]

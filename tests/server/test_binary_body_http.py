@@ -78,8 +78,13 @@ def test_under_granian_a_binary_body_gives_what_uvicorn_gives(llama_server, serv
         assert requests.get(server.url + "/health", timeout=30).headers.get("server") == name
     request = {**body([text("the fox"), {"type": "embeds", "embeds": seeded_rows(304, 12)},
                        text(" is")], 8), **LOGPROBS}
+    # bit equality holds where both compute the same shapes: neither may reuse a cached prefix
+    # (an earlier test sends this prompt to the uvicorn server)
+    for server in (granian, llama_server):
+        assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
     got, want = post_binary(granian, request), post_binary(llama_server, request)
     assert got.status_code == 200 and want.status_code == 200, (got.text, want.text)
+    assert got.json()["meta_info"]["cached_tokens"] == want.json()["meta_info"]["cached_tokens"] == 0
     assert got.json()["output_ids"] == want.json()["output_ids"]
     for key in ("input_token_logprobs", "output_token_logprobs"):
         assert got.json()["meta_info"][key] == want.json()["meta_info"][key], key

@@ -179,6 +179,8 @@ def test_tenants_stay_apart_behind_the_gateway_and_through_the_endpoint(deployme
     the other tenant's same prompt does not; ``EmbedsEndpoint(api_key=...)`` serves by handle as
     before."""
     server = deployments["bf16"]
+    # no tenant's earlier prompts cached (bob's bos would be a 1-token hit of his own)
+    assert requests.post(server.url + "/flush_cache", headers=ALICE, timeout=60).status_code == 200
     gateway = Gateway([server.url], args=GATEWAY_ARGS).start()
     try:
         rows = seeded_rows(47, 9)
