@@ -24,7 +24,7 @@ def refresh(path: Path) -> None:
     book = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as workdir:
         NotebookClient(book, timeout=600, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
-    nbformat.write(without_stderr(book), path)
+    nbformat.write(without_machine_paths(without_stderr(book)), path)
 
 
 def without_stderr(book):
@@ -33,6 +33,33 @@ def without_stderr(book):
     for cell in book.cells:
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+    return book
+
+
+def machine_paths() -> dict[str, str]:
+    """This machine's folders as a stored output names them instead: the checkout, the home
+    folder, the temporary folder (longest first, so the checkout wins over a home it is in)."""
+    places = {str(EXAMPLES.parent): "<checkout>", str(Path.home()): "~", tempfile.gettempdir(): "<tmp>"}
+    return dict(sorted(places.items(), key=lambda item: -len(item[0])))
+
+
+def without_machine_paths(book):
+    """The notebook with this machine's folders in its outputs written as ``machine_paths`` says
+    (a reader's machine has other ones; the checked claims hold none)."""
+    places = machine_paths()
+
+    def scrub(text: str) -> str:
+        for place, name in places.items():
+            text = text.replace(place + "/", name + "/")
+        return text
+
+    for cell in book.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if "text" in output:
+                output.text = scrub(output.text)
+            for kind, value in output.get("data", {}).items():
+                if isinstance(value, str) and kind.startswith("text/"):
+                    output.data[kind] = scrub(value)
     return book
 
 

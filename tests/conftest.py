@@ -314,6 +314,13 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", "pooled servers: launches and waits")
         for line in pool.start_report():
             terminalreporter.write_line(line)
+    import helpers  # (here: it imports SGLang, which the CPU plugin must precede)
+
+    lines = config.stash.get(helpers.SUMMARY_LINES, [])
+    if lines:
+        terminalreporter.write_sep("-", "what the tests counted")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 # The folders in the order they run, unit tests first (then ``_fewest_launches`` moves the tests

@@ -23,8 +23,11 @@ GREEDY = {"temperature": 0.0}
 # A pooled server of each family served (tests/conftest.py): a text LLM, the Qwen-VL families served
 # natively (Qwen2.5-VL, Qwen3-VL, Qwen2-VL; NaN vision towers), a split LLaVA-NeXT's LLM, and the
 # split Gemmas (PaliGemma, Gemma 3, Gemma 4's E2B layout)
-FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "llava_next", "paligemma", "gemma3_vlm",
-                  "gemma4_vlm")
+FAMILY_SERVERS = ("llama", "qwen_vl_spans", "qwen3_vl_spans", "qwen2_vl_spans", "qwen3_5", "qwen3_5_moe",
+                  "llava_llama", "llava_next", "llava_onevision", "paligemma", "gemma3_vlm", "gemma4_vlm",
+                  "gemma4_31b_vlm")
+# lines a test leaves for the run's closing summary (conftest.py), e.g. each family's fuzz counts
+SUMMARY_LINES = pytest.StashKey[list]()
 # what a /generate body asks for to have its numbers compared with HF (ref.assert_matches_hf):
 # output logprobs with top-3 maps, and with LOGPROBS the input logprobs of every position too
 # (SGLang then recomputes the whole prompt: no prefix-cache hit)

@@ -18,6 +18,9 @@ from sgl_embeds_testing.claims import claims_in
 pytestmark = pytest.mark.per_server  # each tutorial where its servers run anyway
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.ipynb"))
 MIN_CLAIMS = 3
+# a folder of the machine a notebook last ran on (scripts/refresh_notebooks.py writes them as
+# <checkout>/, ~/ and <tmp>/)
+MACHINE_PATH = re.compile(r"(?<![\w<>~.])/(?:work|root|home|tmp|check|Users|private|var/folders)/")
 # A notebook reads the URL of a running server from one of these (and starts its own without):
 # the pool's server each stands for
 SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
@@ -27,7 +30,8 @@ SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
                "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
                "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
-               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm"}  # the tiny Gemma 3, served split
+               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
+               "SGL_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
 
 
 def _claims(book) -> list[str]:
@@ -51,6 +55,10 @@ def test_notebook_is_committed_with_its_outputs(path):
     assert not unrun, f"{path.name}: cells {unrun} were not run: refresh with `make notebooks`"
     assert not [o for c in book.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert len(_claims(book)) >= MIN_CLAIMS, f"{path.name} shows fewer than {MIN_CLAIMS} checked claims"
+    shown = [text for c in book.cells for o in c.get("outputs", [])
+             for text in [o.get("text", ""), *(v for v in o.get("data", {}).values() if isinstance(v, str))]]
+    paths = sorted({m.group(0) + t[m.end():].split()[0][:40] for t in shown for m in MACHINE_PATH.finditer(t)})
+    assert not paths, f"{path.name} shows folders of the machine it ran on: {paths}"
 
 
 def _urls_read(path: Path) -> list[str]:

@@ -145,6 +145,7 @@ def test_tenants_need_their_key_and_share_no_cache_entry_handle_or_held_rows(dep
             assert r.status_code == 401, (path, headers, r.status_code)
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
+    assert requests.post(server.url + "/flush_cache", headers=ALICE, timeout=60).status_code == 200
     for i, payload in enumerate((body([text("Look at"), span(rows), text(" then")], 3),
                                  {"text": "the quick brown fox jumps over", "sampling_params": {"max_new_tokens": 3}})):
         ids = _cached(server.url, payload, ALICE)[0]

@@ -36,7 +36,8 @@ from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
-from sgl_embeds_testing.qwen_vl import sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_vl_dir
+from sgl_embeds_testing.qwen_vl import (sample_images, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir,
+                                         tiny_qwen3_5_moe_dir, tiny_qwen3_vl_dir)
 from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
 from strategies import HELD_ROWS, payloads, prompts
@@ -183,9 +184,12 @@ def test_random_prompts_never_cause_a_server_error(served, server_name, data):
         outcomes.update(["4xx", *{f"4xx {check}" for phrase, check in CHECKS.items() if phrase in message}])
 
 
-# The checkpoints of the Qwen-VL servers (theirs with NaN vision towers)
+# The checkpoints of the natively served VLMs' servers (theirs with NaN vision towers)
 QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": tiny_qwen3_vl_dir,
-                       "qwen2_vl_spans": tiny_qwen2_vl_dir}
+                       "qwen2_vl_spans": tiny_qwen2_vl_dir, "qwen3_5": tiny_qwen3_5_dir,
+                       "qwen3_5_moe": tiny_qwen3_5_moe_dir}
+# The split LLaVA servers -> their checkpoint's name in the ``llava_dirs`` fixture
+LLAVA_SERVERS = {"llava_llama": "llama", "llava_next": "llava_next", "llava_onevision": "llava_onevision"}
 # What the fuzzed prompts must have reached, beyond some 200s and some 4xx, each one of some
 # outcomes: on the M-RoPE VLMs served images and clips, a grid check's refusal and a clip's time
 # check's; elsewhere served spans and the refusal of a grid
@@ -219,6 +223,7 @@ SPLIT_GEMMAS = {
                             ref.hf_paligemma),
     "gemma3_vlm": SplitGemma(_chat_question, tiny_gemma3_dir, ref.gemma3_greedy, ref.hf_gemma3),
     "gemma4_vlm": SplitGemma(_chat_question, lambda: tiny_gemma4_dir("e2b"), ref.gemma4_greedy, ref.hf_gemma4),
+    "gemma4_31b_vlm": SplitGemma(_chat_question, lambda: tiny_gemma4_dir("31b"), ref.gemma4_greedy, ref.hf_gemma4),
 }
 
 
@@ -247,8 +252,8 @@ def _answers_like_hf(name: str, server, llava_dirs) -> None:
         checkpoint = gemma.checkpoint()
         ref.assert_vlm_matches_hf(out, lambda prefix=(): gemma.greedy(checkpoint, question, [image], 8, prefix),
                                   ref.eos_ids(gemma.hf(str(checkpoint))[0]), f"{name}: ", 6, min_distinct=2)
-    elif name == "llava_next":
-        harness = LlavaHarness(name, *llava_dirs(name), server)
+    elif name in LLAVA_SERVERS:
+        harness = LlavaHarness(name, *llava_dirs(LLAVA_SERVERS[name]), server)
         text = harness.text("what is the color of the object")
         harness.check(harness.generate(text, [image]), text, [image], name)
     else:
@@ -259,10 +264,12 @@ def _answers_like_hf(name: str, server, llava_dirs) -> None:
         ref.assert_matches_hf(out, server.model_dir, embeds[0], 8, name, other_span_embeds=embeds[1])
 
 
-def test_the_server_still_serves_after_the_fuzzing(servers, server_name, llava_dirs):
+def test_the_server_still_serves_after_the_fuzzing(servers, server_name, llava_dirs, request):
     server = servers.get(server_name)[0]
     outcomes = OUTCOMES[server_name]
-    print(f"fuzz {server_name}: {PROMPT_EXAMPLES} prompts: {dict(sorted(outcomes.items()))}")
+    counts = f"fuzz {server_name}: {PROMPT_EXAMPLES} prompts: {dict(sorted(outcomes.items()))}"
+    print(counts)
+    request.config.stash.setdefault(helpers.SUMMARY_LINES, []).append(counts)
     assert outcomes["200"] + outcomes["4xx"] == PROMPT_EXAMPLES, outcomes  # each sent, and answered
     assert min(outcomes["200"], outcomes["4xx"]) >= PROMPT_EXAMPLES // 8, outcomes
     missed = [any_of for any_of in REACHED.get(server_name, REACHED_1D) if not set(any_of) & set(outcomes)]
