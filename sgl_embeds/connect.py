@@ -29,17 +29,21 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
     None loads the server's own vision half (``load_encoder`` of the folder the server names;
     none for a text LLM); a folder is loaded with ``load_encoder``; anything else is taken as a
     ``VisionEncoder``. ``ValueError`` when it does not fit the server. ``endpoint_options`` go to
-    ``EmbedsEndpoint`` (``device`` picks where the encoder runs). With a folder (or None), the
+    ``EmbedsEndpoint`` (``device`` picks where the encoder runs, ``dtype`` what it computes in:
+    ``load_encoder``'s). With a folder (or None), the
     endpoint's chat template is the model's own, read from that folder; with a ``VisionEncoder``
     object, SGLang's (``chat_template_name``)."""
-    device = endpoint_options.pop("device", None)
+    device, dtype = endpoint_options.pop("device", None), endpoint_options.pop("dtype", None)
     backend = EmbedsEndpoint(url, **endpoint_options)
     served = backend.server_info.model
     if vision is None:
         vision = _served_vision_dir(url, served)
     folder = vision if isinstance(vision, (str, Path)) else None
     if folder is not None:
-        vision = load_encoder(folder, device=device)
+        vision = load_encoder(folder, device=device, dtype=dtype)
+    elif dtype is not None and vision is not None:
+        raise ValueError("dtype is what a vision half connect loads computes in; the encoder given "
+                         "computes in its own")
     if vision is not None:
         problem = fit_error(vision, served, backend.span_width)
         if problem:

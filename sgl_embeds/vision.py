@@ -377,3 +377,26 @@ def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: st
         raise ValueError(f"{what}: {e}") from None
     if missing or unexpected:
         raise ValueError(f"{what}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+
+
+# What a vision half may compute in (``load_encoder(dtype=...)``); its rows come back float32
+VISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def vision_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``dtype`` (a name of ``VISION_DTYPES``, one of its values, or None: float32) as a torch
+    dtype; ``ValueError`` naming the choices otherwise."""
+    if dtype is None:
+        return torch.float32
+    if dtype in VISION_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in VISION_DTYPES:
+        return VISION_DTYPES[dtype]
+    raise ValueError(f"a vision half computes in one of {sorted(VISION_DTYPES)}, got {dtype!r}")
+
+
+def note_dtype(digest: "hashlib._Hash", dtype: torch.dtype) -> None:
+    """Adds ``dtype`` to an identity's digest where it is not float32 (other rows, another cache
+    entry; float32 identities stay as they were)."""
+    if dtype != torch.float32:
+        digest.update(f"\ndtype {dtype}".encode())

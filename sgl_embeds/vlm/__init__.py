@@ -24,61 +24,63 @@ from sgl_embeds.vlm.prompt import image_prompt, render_chat
 from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
 
 
-def _qwen_vl(path: Path, device: str | torch.device | None) -> Any:
+def _qwen_vl(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.qwen_vl import QwenVLEncoder  # lazy: the module docstring
 
-    return QwenVLEncoder(path, device=device)
+    return QwenVLEncoder(path, device=device, dtype=dtype)
 
 
-def _anyres(path: Path, device: str | torch.device | None) -> Any:
+def _anyres(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.anyres import AnyresEncoder  # lazy: the module docstring
 
-    return AnyresEncoder(path, device=device)
+    return AnyresEncoder(path, device=device, dtype=dtype)
 
 
-def _llava(path: Path, device: str | torch.device | None) -> Any:
+def _llava(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.tower import load_llava_encoder  # lazy: the module docstring
 
-    return load_llava_encoder(path, device)
+    return load_llava_encoder(path, device, dtype)
 
 
-def _paligemma(path: Path, device: str | torch.device | None) -> Any:
+def _paligemma(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.paligemma import PaliGemmaEncoder  # lazy: the module docstring
 
-    return PaliGemmaEncoder(path, device=device)
+    return PaliGemmaEncoder(path, device=device, dtype=dtype)
 
 
-def _gemma3(path: Path, device: str | torch.device | None) -> Any:
+def _gemma3(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.gemma3 import Gemma3Encoder  # lazy: the module docstring
 
-    return Gemma3Encoder(path, device=device)
+    return Gemma3Encoder(path, device=device, dtype=dtype)
 
 
-def _gemma4(path: Path, device: str | torch.device | None) -> Any:
+def _gemma4(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
     from sgl_embeds.vlm.gemma4 import Gemma4Encoder  # lazy: the module docstring
 
-    return Gemma4Encoder(path, device=device)
+    return Gemma4Encoder(path, device=device, dtype=dtype)
 
 
 # The encoder of each natively served family (a checkpoint folder is its vision half)
-NATIVE_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
+NATIVE_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
     family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
 # The encoder of a split family's vision/ folder, by the format its settings name
-SPLIT_ENCODERS: dict[str, Callable[[Path, Any], Any]] = {
+SPLIT_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
     LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma,
     GEMMA3_FORMAT: _gemma3, GEMMA4_FORMAT: _gemma4}
 
 
-def load_encoder(path: str | Path, device: str | torch.device | None = None) -> Any:
+def load_encoder(path: str | Path, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None) -> Any:
     """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
     (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
     LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma, ``Gemma3Encoder`` for Gemma 3), or the
-    folder ``gemma4.write_vision_half`` writes (``Gemma4Encoder``)."""
+    folder ``gemma4.write_vision_half`` writes (``Gemma4Encoder``). ``dtype``: what the vision half
+    computes in (``"float32"``, the default, ``"bfloat16"`` or ``"float16"``); rows come back float32."""
     path = Path(path)
     found = model_type(path)
     if found in NATIVE_ENCODERS:
-        return NATIVE_ENCODERS[found](path, device)
+        return NATIVE_ENCODERS[found](path, device, dtype)
     if found is not None:
         family = family_of(found)
         why = f" ({family.refused})" if family and family.refused else ""
@@ -88,7 +90,7 @@ def load_encoder(path: str | Path, device: str | torch.device | None = None) -> 
     settings = path / CONFIG_NAME
     found = json.loads(settings.read_text()).get("format") if settings.exists() else None
     # a folder without settings, or of another format: LlavaEncoder names what is missing
-    return SPLIT_ENCODERS.get(found, _llava)(path, device)
+    return SPLIT_ENCODERS.get(found, _llava)(path, device, dtype)
 
 
 # The rest of the package's names, from their modules, imported when first asked for

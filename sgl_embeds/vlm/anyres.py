@@ -32,6 +32,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 from sgl_embeds.vlm.files import ANYRES_FORMAT as FORMAT
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vlm.tiling import Tiling
+from sgl_embeds.vision import note_dtype, vision_dtype
 from sgl_embeds.vlm.tower import ACTIVATIONS, Projector, place_vision_half, read_vision_dir
 from sgl_embeds_protocol.family import family_of
 
@@ -203,7 +204,8 @@ class AnyresEncoder:
     """
 
     def __init__(self, vision_dir: str | Path, backend: str | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+        self.dtype = vision_dtype(dtype)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         text, weights, digest = read_vision_dir(vision_dir)
@@ -215,12 +217,14 @@ class AnyresEncoder:
         self.backend = "torchvision" if isinstance(self.processor, TorchvisionBackend) else "pil"
 
         vision = AutoConfig.for_model(**self.config.vision_config)
-        self.tower = AutoModel.from_config(vision).to(torch.float32)
+        self.tower = AutoModel.from_config(vision)
         self.projector = Projector(self.config)
-        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device)
+        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device,
+                                        self.dtype)
         digest.update(f"{self.backend}\n{self.processor.to_json_string()}".encode())
+        note_dtype(digest, self.dtype)
         self.identity = f"{self.config.family}-{digest.hexdigest()[:16]}"  # for encoder caches
-        self.image_newline = weights["image_newline"].to(self.device)  # [llm_hidden]
+        self.image_newline = weights["image_newline"].to(self.device, self.dtype)  # [llm_hidden]
 
     @property
     def family(self) -> str:
@@ -253,7 +257,7 @@ class AnyresEncoder:
     def features(self, pixel_values: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """``[rows_for(width, height), llm_hidden]`` float32 CPU rows of an image of this size
         from its ``pixel_values``."""
-        out = self.tower(pixel_values.to(self.device, torch.float32), output_hidden_states=True)
+        out = self.tower(pixel_values.to(self.device, self.dtype), output_hidden_states=True)
         selected = torch.cat([out.hidden_states[i] for i in self.config.feature_layers], dim=-1)
         if self.config.select_strategy == "default":
             selected = selected[:, 1:]  # the class token

@@ -30,6 +30,7 @@ from sgl_embeds.vlm.files import (
     CONFIG_NAME, GEMMA4_FORMAT as FORMAT, WEIGHTS_NAME, Tensors, chat_template_of, weight_index,
 )
 from sgl_embeds.vlm.pixels import BACKENDS
+from sgl_embeds.vision import note_dtype, vision_dtype
 from sgl_embeds.vlm.tower import place_vision_half, read_vision_dir
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import ImageText
@@ -232,7 +233,8 @@ class Gemma4Encoder:
     family = FAMILY
 
     def __init__(self, vision_dir: str | Path, backend: str | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+        self.dtype = vision_dtype(dtype)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         text, weights, digest = read_vision_dir(vision_dir)
@@ -242,12 +244,14 @@ class Gemma4Encoder:
         check_image_processor(self.processor, self.config.vision_config)
         self.backend = "torchvision" if isinstance(self.processor, TorchvisionBackend) else "pil"
         vision = AutoConfig.for_model(**self.config.vision_config)
-        self.tower = AutoModel.from_config(vision).to(torch.float32)
+        self.tower = AutoModel.from_config(vision)
         # HF's own projector, given only the field it reads of the text model (its width)
         text_config = Gemma4TextConfig(hidden_size=self.config.llm_hidden_size)
-        self.projector = Gemma4MultimodalEmbedder(vision, text_config).to(torch.float32)
-        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device)
+        self.projector = Gemma4MultimodalEmbedder(vision, text_config)
+        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device,
+                                        self.dtype)
         digest.update(f"{self.backend}\n{self.processor.to_json_string()}".encode())
+        note_dtype(digest, self.dtype)
         self.identity = f"{self.family}-{digest.hexdigest()[:16]}"  # for encoder caches
 
     @property
@@ -304,7 +308,7 @@ class Gemma4Encoder:
     @torch.no_grad()
     def __call__(self, image: Image.Image) -> torch.Tensor:
         inputs = self.pixel_inputs(image)
-        hidden = self.tower(pixel_values=inputs["pixel_values"].to(self.device, torch.float32),
+        hidden = self.tower(pixel_values=inputs["pixel_values"].to(self.device, self.dtype),
                             pixel_position_ids=inputs["image_position_ids"].to(self.device))
         return self.projector(hidden.last_hidden_state).float().cpu()
 

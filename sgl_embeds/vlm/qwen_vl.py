@@ -28,7 +28,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-from sgl_embeds.vision import VisionRows, load_state
+from sgl_embeds.vision import VisionRows, load_state, vision_dtype
 from sgl_embeds_protocol.family import BY_NAME
 from sgl_embeds_protocol.segments import SECONDS_PER_STEP, TIMESTAMPS, Grid
 from sgl_embeds.vlm.files import Tensors, weight_index
@@ -56,7 +56,8 @@ class QwenVLEncoder:
     """
 
     def __init__(self, checkpoint: str | Path, backend: str | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+        dtype = vision_dtype(dtype)
         checkpoint = Path(checkpoint)
         found = model_type(checkpoint)
         if found not in TOWERS:

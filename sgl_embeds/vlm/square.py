@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModel
 from transformers.image_processing_backends import TorchvisionBackend
 
 from sgl_embeds.vlm.pixels import BACKENDS
+from sgl_embeds.vision import note_dtype, vision_dtype
 from sgl_embeds.vlm.tower import place_vision_half, read_vision_dir
 
 
@@ -30,7 +31,8 @@ class SquareImageEncoder:
     check_processor: Callable[[Any, int], None]  # the family's image-processor check
 
     def __init__(self, vision_dir: str | Path, backend: str | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+        self.dtype = vision_dtype(dtype)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         text, weights, digest = read_vision_dir(vision_dir)
@@ -40,10 +42,12 @@ class SquareImageEncoder:
         type(self).check_processor(self.processor, self.config.vision_config["image_size"])
         self.backend = "torchvision" if isinstance(self.processor, TorchvisionBackend) else "pil"
         vision = AutoConfig.for_model(**self.config.vision_config)
-        self.tower = AutoModel.from_config(vision).to(torch.float32)
-        self.projector = self.make_projector(vision).to(torch.float32)
-        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device)
+        self.tower = AutoModel.from_config(vision)
+        self.projector = self.make_projector(vision)
+        self.device = place_vision_half(self.tower, self.projector, weights, f"{vision_dir}: ", device,
+                                        self.dtype)
         digest.update(f"{self.backend}\n{self.processor.to_json_string()}".encode())
+        note_dtype(digest, self.dtype)
         self.identity = f"{self.family}-{digest.hexdigest()[:16]}"  # for encoder caches
 
     def make_projector(self, vision: Any) -> torch.nn.Module:
@@ -80,7 +84,7 @@ class SquareImageEncoder:
     @torch.no_grad()
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[batch, rows_per_image, llm_hidden]`` rows of ``[batch, 3, size, size]`` pixels."""
-        out = self.tower(pixel_values=pixel_values.to(self.device, torch.float32))
+        out = self.tower(pixel_values=pixel_values.to(self.device, self.dtype))
         return self.projector(out.last_hidden_state)
 
     def __call__(self, image: Image.Image) -> torch.Tensor:

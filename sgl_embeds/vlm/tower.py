@@ -20,7 +20,7 @@ from open_clip.transformer import LayerNorm, QuickGELU, VisionTransformer
 from PIL import Image
 from safetensors.torch import load_file
 
-from sgl_embeds.vision import load_state
+from sgl_embeds.vision import load_state, note_dtype, vision_dtype
 from sgl_embeds.vlm.files import CONFIG_NAME, WEIGHTS_NAME
 from sgl_embeds.vlm.files import LLAVA_FORMAT as FORMAT
 from sgl_embeds.vlm.pixels import ImageProcessing
@@ -205,11 +205,15 @@ def clip_to_open_clip(hf: dict[str, torch.Tensor], layers: int) -> dict[str, tor
 
 
 def place_vision_half(tower: torch.nn.Module, projector: torch.nn.Module, weights: dict[str, torch.Tensor],
-                      where: str, device: str | torch.device | None) -> torch.device:
+                      where: str, device: str | torch.device | None,
+                      dtype: torch.dtype = torch.float32) -> torch.device:
     """Loads ``tower.*`` and ``projector.*`` of a split checkpoint's ``weights`` into the two
     modules (a mismatch: ``ValueError`` naming ``where``), moves them to ``device`` (default: CUDA
-    when there is one) in eval mode, and returns that device."""
+    when there is one) and ``dtype`` in eval mode, and returns that device. The modules take
+    ``dtype`` before the weights (``from_config`` may build them in the config's dtype, whose
+    copy of float32 weights would lose bits)."""
     for name, module in (("tower", tower), ("projector", projector)):
+        module.to(dtype)
         prefix = name + "."
         state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         load_state(module, state, f"{where}{name} weights")
@@ -223,12 +227,13 @@ class LlavaEncoder:
     """The vision half of a split LLaVA checkpoint (see ``load_llava_encoder``)."""
 
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor], identity: str,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
         self.config = config
-        self.identity = identity  # names the weights and settings, for encoder-output caches
+        self.identity = identity  # names the weights, settings and dtype, for encoder-output caches
         self.tower = build_tower(config.tower)
         self.projector = Projector(config)
-        self.device = place_vision_half(self.tower, self.projector, weights, "", device)
+        self.dtype = dtype
+        self.device = place_vision_half(self.tower, self.projector, weights, "", device, dtype)
 
     # what the server it fits serves (sgl_embeds.connect checks it)
     family = "llava"
@@ -262,7 +267,7 @@ class LlavaEncoder:
         """``[batch, rows, llm_hidden]`` projected features of ``[batch, 3, H, W]`` pixels."""
         blocks = self.config.blocks
         out = self.tower.forward_intermediates(
-            pixel_values.to(self.device, torch.float32), indices=sorted(set(blocks)), stop_early=True,
+            pixel_values.to(self.device, self.dtype), indices=sorted(set(blocks)), stop_early=True,
             intermediates_only=True, output_fmt="NLC", output_extra_tokens=True,
         )
         by_block = {}
@@ -293,9 +298,11 @@ def read_vision_dir(vision_dir: str | Path) -> tuple[str, dict[str, torch.Tensor
     return text, load_file(str(weights_path)), digest
 
 
-def load_llava_encoder(vision_dir: str | Path,
-                       device: str | torch.device | None = None) -> LlavaEncoder:
+def load_llava_encoder(vision_dir: str | Path, device: str | torch.device | None = None,
+                       dtype: str | torch.dtype | None = None) -> LlavaEncoder:
     """The ``VisionEncoder`` of ``DST/vision`` written by ``python -m sgl_embeds.vlm split``."""
+    dtype = vision_dtype(dtype)
     text, weights, digest = read_vision_dir(vision_dir)
+    note_dtype(digest, dtype)
     identity = "llava-" + digest.hexdigest()[:16]
-    return LlavaEncoder(VisionConfig.from_json(text), weights, identity, device)
+    return LlavaEncoder(VisionConfig.from_json(text), weights, identity, device, dtype)

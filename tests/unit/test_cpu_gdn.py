@@ -7,9 +7,11 @@ prefill in chunks and decode step by step, the state carried from one call to th
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
-import torch.nn.functional as F
+from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from sgl_embeds_cpu import fused, gdn
@@ -36,9 +38,40 @@ def _params(seed: int = 5):
     return torch.randn(V_HEADS, generator=gen), torch.randn(V_HEADS, generator=gen)  # A_log, dt_bias
 
 
+class _Handed(Exception):
+    """Raised where HF's layer hands its gates on, once they are caught."""
+
+
+class _Fixed(torch.nn.Module):
+    """A projection that gives ``value`` whatever its input."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.value[None]
+
+
 def _hf_gates(A_log, dt_bias, a, b):
-    """What HF's ``Qwen3_5GatedDeltaNet.forward`` computes from ``a``, ``b``."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+    """``g`` and ``beta`` as HF's own ``Qwen3_5GatedDeltaNet.forward`` computes them from ``a``
+    and ``b``: the layer run with its a / b projections giving them, caught where it passes
+    them to its delta rule."""
+    config = Qwen3_5TextConfig(hidden_size=8, num_hidden_layers=1, layer_types=["linear_attention"],
+                               linear_num_key_heads=K_HEADS, linear_num_value_heads=V_HEADS,
+                               linear_key_head_dim=K_DIM, linear_value_head_dim=V_DIM)
+    layer = hf.Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    layer.A_log.data, layer.dt_bias.data = A_log.clone(), dt_bias.clone()
+    layer.in_proj_a, layer.in_proj_b = _Fixed(a), _Fixed(b)
+    caught = {}
+
+    def catch(query, key, value, g, beta, **kwargs):
+        caught.update(g=g, beta=beta)
+        raise _Handed
+
+    with mock.patch.object(hf, "torch_chunk_gated_delta_rule", catch), pytest.raises(_Handed):
+        layer(torch.zeros(1, a.shape[0], config.hidden_size))
+    return caught["g"][0], caught["beta"][0]
 
 
 def _hf_delta_rule(q, k, v, g, beta, state):

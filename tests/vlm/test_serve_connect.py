@@ -26,6 +26,10 @@ def test_a_llava_served_by_serve_answers_like_hf_through_connect(llava_llama_ser
     assert "serve-cache" in served.vision_dir  # serve's own split, not the tests'
     assert isinstance(backend.vision_encoder, LlavaEncoder)
     assert backend.vision_encoder.identity == load_encoder(split_dir / "vision").identity
+    half = sgl_embeds.connect(llava_llama_server.url, device="cpu", dtype="bfloat16")
+    assert half.vision_encoder.dtype == torch.bfloat16 and half.vision_encoder.identity != backend.vision_encoder.identity
+    with pytest.raises(ValueError, match="the encoder given computes in its own"):
+        sgl_embeds.connect(llava_llama_server.url, vision=backend.vision_encoder, dtype="bfloat16")
     harness = LlavaHarness("llava_llama", checkpoint, split_dir, llava_llama_server, backend)
     text = render_chat(served.vision_dir, question("what is in the picture"))
     harness.check(harness.run(text, [IMAGE]), text, [IMAGE], "serve + connect")
@@ -74,3 +78,37 @@ def test_an_encoder_of_each_family_states_its_fit(llava_dirs, qwen_vl_dir):
         assert getattr(encoder, "merge_size", None) is None
     qwen = load_encoder(qwen_vl_dir, device="cpu")
     assert qwen.family == "qwen2_5_vl" and qwen.span_width == qwen(IMAGE).rows.shape[1]
+
+
+def _vision_folders(llava_dirs, qwen_vl_dir) -> dict:
+    """A vision half of each encoder class: split by the tests (LLaVA) or by ``serve``'s cache
+    (the Gemmas, PaliGemma), a Qwen-VL's checkpoint as it is."""
+    from sgl_embeds.serve import split_dir
+    from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
+    from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
+    from sgl_embeds_testing.paligemma import tiny_paligemma_dir
+
+    return {"llava": lambda: llava_dirs("llama")[1] / "vision",
+            "llava_next": lambda: llava_dirs("llava_next")[1] / "vision",
+            "qwen2_5_vl": lambda: qwen_vl_dir,
+            "paligemma": lambda: split_dir(tiny_paligemma_dir(2), progress=False) / "vision",
+            "gemma3": lambda: split_dir(tiny_gemma3_dir(), progress=False) / "vision",
+            "gemma4": lambda: split_dir(tiny_gemma4_dir("e2b"), progress=False) / "vision"}
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_5_vl", "paligemma", "gemma3", "gemma4"])
+def test_a_vision_half_in_bfloat16_gives_float32_rows_near_its_float32_ones(family, llava_dirs, qwen_vl_dir):
+    """``load_encoder(dtype="bfloat16")`` (``connect``'s ``dtype``) computes in bfloat16: its own
+    cache identity, rows back in float32 of the same shape, within bfloat16's rounding of the
+    float32 half's rows and not equal to them."""
+    folder = _vision_folders(llava_dirs, qwen_vl_dir)[family]()
+    full, half = load_encoder(folder, device="cpu"), load_encoder(folder, device="cpu", dtype="bfloat16")
+    assert next(half.tower.parameters()).dtype == torch.bfloat16
+    assert next(full.tower.parameters()).dtype == torch.float32
+    assert half.identity != full.identity
+    want, got = ((out.rows if isinstance(out, VisionRows) else out) for out in (full(IMAGE), half(IMAGE)))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < error < 0.05, f"{family}: bfloat16 rows off by {error:.3g} of the largest"
+    with pytest.raises(ValueError, match="computes in one of"):
+        load_encoder(folder, device="cpu", dtype="int8")
