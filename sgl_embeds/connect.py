@@ -61,11 +61,23 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
 
 
 def _served_vision_dir(url: str, served: ServedModel) -> str | None:
+    """The folder of the served model's vision half here: the one the server names, or where it
+    names a hub id (a server launched with ``--model-path org/name``), its snapshot in the local
+    Hugging Face cache."""
     path = served.vision_dir
     if path is None or Path(path).is_dir():
         return path
+    from sgl_embeds.serve import ServeError, checkpoint_folder  # (the CLI's imports: only here)
+
+    try:
+        found = checkpoint_folder(path, download=False)
+    except ServeError:
+        found = None
+    if found is not None and found.is_dir():
+        return str(found)
     raise ValueError(f"{url} serves {_describe(served)} whose vision half is at {path} on the "
-                     "server's machine, not here: pass vision=<a copy of that folder>")
+                     "server's machine, not here (nor in the local Hugging Face cache): pass "
+                     "vision=<a copy of that folder>")
 
 
 def fit_error(encoder: Any, served: ServedModel, span_width: int) -> str | None:

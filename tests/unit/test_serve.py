@@ -6,6 +6,7 @@ family's launch line and makes nothing (no split, no server)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -174,6 +175,31 @@ def test_a_hub_id_is_served_from_the_local_hugging_face_cache(tmp_path, monkeypa
     assert serve.main(["tiny-org/absent"]) == 2
     err = capsys.readouterr().err
     assert "could not be downloaded" in err and "hf download tiny-org/absent" in err and len(err.splitlines()) == 1
+
+
+def test_connect_finds_the_vision_half_of_a_server_launched_with_a_hub_id(tmp_path, monkeypatch):
+    """A server launched with ``--model-path org/name`` names the id as its vision half's place:
+    ``connect`` takes the snapshot of the local HF cache (offline); an id the cache lacks is
+    refused, saying to pass ``vision=``."""
+    import huggingface_hub.constants as hub
+
+    from sgl_embeds_protocol.info import ServedModel
+
+    connect = importlib.import_module("sgl_embeds.connect")  # the module (the package names the function)
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-qwen"
+    snapshot = repo / "snapshots" / ("1" * 40)
+    shutil.copytree(tiny_qwen2_5_vl_dir(), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    served = ServedModel("qwen2_5_vl", family.NATIVE, "tiny-org/tiny-qwen", True, 2, {})
+    assert Path(connect._served_vision_dir("URL", served)) == snapshot
+    absent = ServedModel("qwen2_5_vl", family.NATIVE, "tiny-org/absent", True, 2, {})
+    with pytest.raises(ValueError, match=r"vision half is at tiny-org/absent .*nor in the local Hugging "
+                       r"Face cache\): pass vision="):
+        connect._served_vision_dir("URL", absent)
 
 
 def test_an_unchanged_checkpoint_is_not_hashed_again(split_cache, tmp_path, monkeypatch):
