@@ -94,6 +94,66 @@ def hybrid_env(args: list[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class ConfigFix:
+    """A field of a checkpoint's config.json that SGLang reads and the checkpoint lacks."""
+
+    section: str  # "text_config" or "vision_config"
+    field: str
+    value: object
+    why: str
+
+
+def hybrid_config_fixes(config: dict) -> list[ConfigFix]:
+    """What a hybrid Qwen3.5 checkpoint saved by transformers lacks that SGLang reads (published
+    checkpoints carry both): ``deepstack_visual_indexes`` (transformers' Qwen3.5 tower has no
+    deepstack layers; SGLang would assume Qwen3-VL's three and fail on the first image) and
+    ``full_attention_interval`` (from ``layer_types``, where every k-th layer is full attention;
+    ``ServeError`` where it is not)."""
+    fixes = []
+    if "deepstack_visual_indexes" not in config.get("vision_config", {}):
+        fixes.append(ConfigFix("vision_config", "deepstack_visual_indexes", [],
+                               "the tower has no deepstack layers (SGLang would assume three)"))
+    text = config.get("text_config", {})
+    if "full_attention_interval" not in text:
+        types = text.get("layer_types") or []
+        full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+        every = full[0] + 1 if full else 0
+        if not full or full != list(range(every - 1, len(types), every)):
+            raise ServeError(f"text_config has no full_attention_interval, and its layer_types {types} "
+                             "are not full attention at every k-th layer: SGLang cannot serve that layout")
+        fixes.append(ConfigFix("text_config", "full_attention_interval", every,
+                               f"layer_types has full attention at every {every}th layer"))
+    return fixes
+
+
+def with_config_fixes(checkpoint: Path, config: dict, fixes: list[ConfigFix], make: bool = True) -> Path:
+    """``checkpoint`` itself where nothing needs fixing; else a folder in the cache that is the
+    checkpoint with ``fixes`` written into its config.json (its other files linked, the user's
+    files untouched), saying what it wrote."""
+    if not fixes:
+        return checkpoint
+    fixed = json.loads(json.dumps(config))
+    for fix in fixes:
+        fixed.setdefault(fix.section, {})[fix.field] = fix.value
+        print(f"[serve] {checkpoint}: config.json has no {fix.section}.{fix.field}; serving it as "
+              f"{fix.value!r}: {fix.why}", flush=True)
+    text = json.dumps(fixed, indent=2, sort_keys=True)
+    key = hashlib.sha256(f"{checkpoint.resolve()}\n{text}".encode()).hexdigest()[:32]
+    target = cache_root() / "configs" / key
+
+    def build(folder: Path) -> None:
+        for entry in checkpoint.resolve().iterdir():
+            if entry.name != "config.json":
+                (folder / entry.name).symlink_to(entry.resolve())
+        (folder / "config.json").write_text(text)
+
+    if make:
+        build_once(target, build)
+        print(f"[serve] the checkpoint with that config.json (its files linked): {target}", flush=True)
+    return target
+
+
+@dataclass(frozen=True)
 class Launch:
     """What ``serve`` runs: the served folder, SGLang's arguments, the environment it adds."""
 
@@ -139,6 +199,7 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
         args = [*machine_args(), *family_args(True), *flags]
         if family.hybrid:
             env.update(hybrid_env(args))
+            checkpoint = with_config_fixes(checkpoint, config, hybrid_config_fixes(config), make=not dry_run)
         return Launch(model_type, checkpoint, args, env)
     arch = (config.get("architectures") or [""])[0]
     if family is None and arch.endswith("ForCausalLM") and sglang_serves(arch):

@@ -160,14 +160,15 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
         # weights as above; prefill chunks of 16 positions, so the recurrent state crosses chunks
         # and spans are cut; a small state pool, and a KV pool of 256 positions, so that concurrent
         # requests retract; the conv state in float32 as serve sets it for a float32 model
-        # (serve.hybrid_env: SGLang's default bfloat16 moved logprobs by up to 4e-3 from HF's)
+        # (serve.hybrid_env: SGLang's default bfloat16 moved logprobs by up to 4e-3 from HF's); the
+        # checkpoints are as transformers saves them, and serve writes the config fields SGLang
+        # reads that they lack (serve.hybrid_config_fixes)
         "qwen3_5": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_dir()), via_serve=True,
                                   env=served["env"],
                                   extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
         # Qwen3.5-MoE (its LLM's MLPs mixtures of experts), likewise: one parity test
-        "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()),
-                                      env={"SGLANG_MAMBA_CONV_DTYPE": "float32"},
-                                      extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
+        "qwen3_5_moe": lambda: Server(poisoned_vision_dir(tiny_qwen3_5_moe_dir()), via_serve=True,
+                                      env=served["env"], extra_args=[*QWEN_VL_ARGS, *QWEN3_5_ARGS]),
         # a Gemma 3 LLM: sliding-window layers (a window of 8) beside full ones, 16-position chunks
         # (tests/server/test_bidirectional_spans.py)
         "gemma3": lambda: Server(tiny_model_dir("gemma3"), extra_args=["--enable-cache-report",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import shutil
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +23,9 @@ from sgl_embeds_testing.reference import Greedy, _greedy_from_scores
 from sgl_embeds_protocol.family import FAMILIES, NATIVE
 
 QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
+# v5: as transformers saves them, without the fields SGLang reads and they lack (serve writes
+# them: serve.hybrid_config_fixes)
+HYBRID_CACHE_VERSION = "v5"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VISION_SPECIALS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
@@ -36,7 +38,6 @@ QWEN3_PATCH = 16  # Qwen3-VL's patch size
 # Gated DeltaNet + attention, Qwen3-VL's vision half
 HYBRID_FAMILIES = tuple(f.name for f in FAMILIES if f.hybrid and f.served_as == NATIVE)
 QWEN3_FAMILIES = ("qwen3_vl", *HYBRID_FAMILIES)  # Qwen3-VL's processor, interleaved M-RoPE
-FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth LLM layer is full attention, the rest linear
 FACTOR = PATCH * MERGE  # image sides are resized to multiples of this (Qwen2-VL, Qwen2.5-VL)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
 # The Qwen chat format, with an image (a video) content part rendered as its placeholder.
@@ -136,7 +137,7 @@ def tiny_qwen3_5_dir() -> Path:
     32, output gate, rotary on a quarter of the head: interleaved M-RoPE sections [2, 1, 1]); the
     vision half is Qwen3-VL's without deepstack (width 32, depth 2, patch 16). The zero-centred
     norms get small random weights, so a kernel that drops their ``1 +`` is seen."""
-    return _qwen_vl_dir(f"tiny-qwen3_5-{QWEN_VL_CACHE_VERSION}", "qwen3_5", _HYBRID_TEXT, _HYBRID_VISION,
+    return _qwen_vl_dir(f"tiny-qwen3_5-{HYBRID_CACHE_VERSION}", "qwen3_5", _HYBRID_TEXT, _HYBRID_VISION,
                         (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
 
 
@@ -146,7 +147,7 @@ def tiny_qwen3_5_moe_dir() -> Path:
     shared expert (width 64)."""
     text = dict(_HYBRID_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                 shared_expert_intermediate_size=64)
-    return _qwen_vl_dir(f"tiny-qwen3_5_moe-{QWEN_VL_CACHE_VERSION}", "qwen3_5_moe", text, _HYBRID_VISION,
+    return _qwen_vl_dir(f"tiny-qwen3_5_moe-{HYBRID_CACHE_VERSION}", "qwen3_5_moe", text, _HYBRID_VISION,
                         (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
 
 
@@ -232,9 +233,6 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(tmp, safe_serialization=True)
-        if family in HYBRID_FAMILIES:  # fields SGLang reads and HF does not keep, as real checkpoints have
-            _set_config(tmp, "text_config", full_attention_interval=FULL_ATTENTION_INTERVAL)
-            _set_config(tmp, "vision_config", deepstack_visual_indexes=[])  # SGLang's default: 3 layers
         min_tokens, max_tokens = image_tokens
         pixels = dict(patch_size=patch, merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         image_processor = Qwen2VLImageProcessor(min_pixels=min_tokens * factor**2, max_pixels=max_tokens * factor**2,
@@ -254,13 +252,6 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
 
     return build_once(cache_dir() / name, build)
-
-
-def _set_config(directory: Path, part: str, **fields) -> None:
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    config[part].update(fields)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # -- HF's Qwen-VL classes as the reference (float32, greedy) -----------------------------------

@@ -127,8 +127,39 @@ def test_dry_run_prints_each_familys_launch_line_and_makes_nothing(name, split_c
     if family_name in family.names(family.SPLIT):  # the split's folder named, not made
         assert model.parent.parent == split_cache and model.name == "llm"
         assert f"would be split into {model.parent}" in "\n".join(out) and not split_cache.exists()
+    elif name == "qwen3_5":  # saved by transformers: served with the config fields SGLang reads
+        assert model.parent == split_cache.parent / "configs" and not model.exists()
     else:
         assert model == checkpoint()
+
+
+def test_a_hybrid_checkpoint_as_transformers_saves_it_is_served_with_the_fields_sglang_reads(split_cache, capsys):
+    """Qwen3.5 saved by transformers lacks ``deepstack_visual_indexes`` and
+    ``full_attention_interval``: serve writes them (none; every 4th layer, from ``layer_types``)
+    into a config.json beside links to the checkpoint's other files, says so, and leaves the
+    checkpoint alone; a layout SGLang cannot describe is refused; a config with both is served
+    as it is."""
+    checkpoint = tiny_qwen3_5_dir()
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert "deepstack_visual_indexes" not in saved["vision_config"]
+    assert "full_attention_interval" not in saved["text_config"]
+    launch = serve.plan(checkpoint, [], progress=False)
+    served = json.loads((launch.model_dir / "config.json").read_text())
+    assert served["vision_config"]["deepstack_visual_indexes"] == []
+    assert served["text_config"]["full_attention_interval"] == 4
+    assert {k: v for k, v in served["text_config"].items() if k != "full_attention_interval"} == saved["text_config"]
+    assert sorted(p.name for p in launch.model_dir.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
+    assert all((launch.model_dir / p.name).resolve() == p.resolve() for p in checkpoint.iterdir() if p.name != "config.json")
+    assert json.loads((checkpoint / "config.json").read_text()) == saved
+    out = capsys.readouterr().out
+    assert "has no vision_config.deepstack_visual_indexes; serving it as []" in out
+    assert "has no text_config.full_attention_interval; serving it as 4" in out
+    assert serve.plan(checkpoint, [], progress=False).model_dir == launch.model_dir  # made once
+    assert serve.hybrid_config_fixes(served) == []
+    uneven = dict(saved, text_config={**saved["text_config"], "layer_types": [
+        "full_attention", "linear_attention", "full_attention", "linear_attention"]})
+    with pytest.raises(serve.ServeError, match="not full attention at every k-th layer"):
+        serve.hybrid_config_fixes(uneven)
 
 
 
