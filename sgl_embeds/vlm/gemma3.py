@@ -23,6 +23,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from sgl_embeds.vlm.files import GEMMA3_FORMAT as FORMAT
 from sgl_embeds.vlm.square import SquareImageEncoder
+from sgl_embeds.vlm.tower import ImageTextOfSettings
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import ImageText
 
@@ -178,7 +179,7 @@ def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma3Visio
     return out
 
 
-class Gemma3Encoder(SquareImageEncoder):
+class Gemma3Encoder(SquareImageEncoder, ImageTextOfSettings):
     """The vision half of a split Gemma 3 checkpoint (module docstring; the constructor's
     arguments: ``square.SquareImageEncoder``)."""
 
@@ -192,17 +193,6 @@ class Gemma3Encoder(SquareImageEncoder):
             vision_config=self.config.vision_config, mm_tokens_per_image=self.config.rows_per_image,
             text_config={"hidden_size": self.config.llm_hidden_size, "num_attention_heads": 1})
         return Gemma3MultiModalProjector(model_config)
-
-    @property
-    def image_text(self) -> ImageText:
-        """How the processor writes an image (``Gemma3Vision.image_text``): ``connect``'s chat
-        template writes an image part so."""
-        return self.config.image_text
-
-    @property
-    def bos_token(self) -> str:
-        """The bos the chat template writes first and the server writes instead."""
-        return self.config.bos_token
 
     def prompt_text(self, text: str, images: int | None = None) -> str:
         """``prompt_text`` with this checkpoint's tokens."""

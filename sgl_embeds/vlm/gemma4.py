@@ -31,7 +31,7 @@ from sgl_embeds.vlm.files import (
 )
 from sgl_embeds.vlm.pixels import BACKENDS
 from sgl_embeds.vision import note_dtype, vision_dtype
-from sgl_embeds.vlm.tower import place_vision_half, read_vision_dir
+from sgl_embeds.vlm.tower import ImageTextOfSettings, place_vision_half, read_vision_dir
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import ImageText
 
@@ -223,7 +223,7 @@ def prompt_segments(rows: Sequence[torch.Tensor], text: str, vision: Gemma4Visio
     return out
 
 
-class Gemma4Encoder:
+class Gemma4Encoder(ImageTextOfSettings):
     """``image -> [rows_for(image.size), llm_hidden]`` rows, as HF's Gemma 4 computes them.
 
     ``backend``: the image processor's transformers backend, ``"torchvision"`` or ``"pil"``
@@ -267,17 +267,6 @@ class Gemma4Encoder:
     def image_token(self) -> str:
         """Where ``prompt_text`` puts each image's rows (``image_prompt``'s token)."""
         return self.config.image_token
-
-    @property
-    def image_text(self) -> ImageText:
-        """How the processor writes an image (``Gemma4Vision.image_text``): ``connect``'s chat
-        template writes an image part so."""
-        return self.config.image_text
-
-    @property
-    def bos_token(self) -> str:
-        """The bos the chat template writes first and the server writes instead."""
-        return self.config.bos_token
 
     @property
     def mean_color(self) -> tuple[int, int, int]:

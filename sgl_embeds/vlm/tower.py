@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from open_clip.transformer import LayerNorm, QuickGELU, VisionTransformer
@@ -202,6 +202,23 @@ def clip_to_open_clip(hf: dict[str, torch.Tensor], layers: int) -> dict[str, tor
         raise ValueError(f"CLIP tower weight {unknown[0]!r} has no open_clip counterpart "
                          f"({len(unknown)} unmapped; is this a CLIP ViT?)")
     return out
+
+
+class ImageTextOfSettings:
+    """For an encoder whose settings (``self.config``) say how its processor writes an image
+    (``image_text``) and which bos its chat template writes first (``bos_token``): the two that
+    ``connect``'s chat template reads (Gemma 3, Gemma 4)."""
+
+    @property
+    def image_text(self) -> Any:
+        """How the processor writes an image (a ``family.ImageText``): ``connect``'s chat
+        template writes an image part so."""
+        return self.config.image_text
+
+    @property
+    def bos_token(self) -> str:
+        """The bos the chat template writes first and the server writes instead."""
+        return self.config.bos_token
 
 
 def place_vision_half(tower: torch.nn.Module, projector: torch.nn.Module, weights: dict[str, torch.Tensor],
