@@ -155,22 +155,32 @@ def pooled(names, server_of=None) -> list:
     return [pytest.param(name, marks=pytest.mark.pooled((server_of or str)(name))) for name in names]
 
 
-def assert_retraction_keeps_outputs(roomy, constrained, prompts_of: Callable[[int], list], max_new_tokens: int = 40) -> None:
-    """The prompts ``prompts_of(attempt)`` sent at once to the ``constrained`` server (a KV pool
-    too small for them all) give what ``roomy`` gives each alone, and the pool retracted one.
-    Whether it retracts depends on how the requests arrive (on a slow machine they can come in
-    waves that fit): every attempt must give equal outputs, and one of at most 4 must retract."""
+def assert_retraction_keeps_outputs(roomy, constrained, prompts_of: Callable[[int], list],
+                                    matches_hf: Callable[[list, dict], object], max_new_tokens: int = 40) -> None:
+    """The prompts ``prompts_of(attempt)`` (segment lists) sent at once to the ``constrained``
+    server (a KV pool too small for them all) give what ``roomy`` gives each alone, which is HF's
+    answer over all ``max_new_tokens`` (``matches_hf(segments, out)``, ``out`` sent with output
+    logprobs), and the pool retracted one. Whether it retracts depends on how the requests arrive
+    (on a slow machine they can come in waves that fit): every attempt must give equal outputs,
+    and one of at most 4 must retract."""
     retracted, attempts = 0, 0
     while retracted == 0 and attempts < 4:
         prompts = prompts_of(attempts)
-        want = [generate(roomy, body(p, max_new_tokens))["output_ids"] for p in prompts]
+        alone = [generate(roomy, body(p, max_new_tokens, **OUTPUT_LOGPROBS)) for p in prompts]
+        for p, out in zip(prompts, alone):
+            matches_hf(p, out)
         requests.post(constrained.url + "/flush_cache", timeout=60)
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate(constrained, body(p, max_new_tokens)), prompts))
-        assert [g["output_ids"] for g in got] == want
+        assert [g["output_ids"] for g in got] == [out["output_ids"] for out in alone]
         retracted = sum(g["meta_info"].get("num_retractions", 0) for g in got)
         attempts += 1
     assert retracted > 0, f"the KV pool was meant to force retraction ({attempts} attempts)"
+
+
+def segment_parts(segments: list[dict]) -> list:
+    """A prompt's segments as ``reference_embeds`` parts: each text's string, each span's rows."""
+    return [s["text"] if s["type"] == "text" else wire.decode_tensor(s["embeds"]) for s in segments]
 
 
 IMAGE_ANSWER_TOKENS = 10

@@ -20,6 +20,7 @@ from sgl_embeds_testing.qwen_vl import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, VI
 from sgl_embeds.vlm import load_encoder
 
 MAX_TOKENS = 10
+IM_END = "<|im_end|>"  # the Qwen chat template's stop string
 MIN_COMPARED = 8
 BOX = (8, 16, 56, 80)  # a box on the disc image of sample_images (64x96) that holds the disc
 # The pooled span server of each family (NaN vision weights, tests/conftest.py) -> (checkpoint,
@@ -66,13 +67,24 @@ def ask(server, segments: list[dict], **extra) -> dict:
 
 
 def assert_matches_hf(out: dict, checkpoint, text: str, hf_images: list, label: str,
-                      add_special_tokens: bool = True, clips: list = ()) -> list[int]:
+                      add_special_tokens: bool = True, clips: list = (), max_new_tokens: int = MAX_TOKENS) -> list[int]:
     """Our tokens equal HF's on the pixels and frames (``clips``: ``(frames, fps)``; near-tie
-    rule), and their logprobs too."""
-    greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, MAX_TOKENS,
+    rule), and their logprobs too, over ``max_new_tokens``."""
+    greedy = functools.partial(qwen_vl_greedy, checkpoint, text, hf_images, max_new_tokens,
                                add_special_tokens=add_special_tokens, clips=clips)
     eos = ref.eos_ids(hf_qwen_vl(str(checkpoint))[0])
     return ref.assert_vlm_matches_hf(out, greedy, eos, f"{label}: ", MIN_COMPARED, min_distinct=2).tokens
+
+
+def program_text(server, segments: list[dict], direct: dict) -> str:
+    """What a program's ``sgl.gen`` answers for ``segments``, whose greedy answer sent directly is
+    ``direct``: SGLang's interpreter stops at the chat template's stop string (``<|im_end|>``,
+    which these random-weight models may well say first), a direct request does not. The stopped
+    answer's ids begin the direct one's."""
+    params = {**helpers.GREEDY, "max_new_tokens": MAX_TOKENS, "stop": [IM_END]}
+    stopped = helpers.generate(server, {**helpers.body(segments), "sampling_params": params})
+    assert direct["output_ids"][:len(stopped["output_ids"])] == stopped["output_ids"], (direct, stopped)
+    return stopped["text"]
 
 
 def image_program(before: str, after: str, encoder):
@@ -105,7 +117,9 @@ def assert_regions_match_hf(checkpoint, server, regions: dict) -> None:
     for name, region in regions.items():
         seen = vision.region_image(image, region, encoder)
         encoded = encoder(seen)
-        direct = ask(server, span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}]))
+        segments = span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}])
+        direct = ask(server, segments)
         references[name] = assert_matches_hf(direct, checkpoint, text, [seen], f"client encoder, {name}")
-        assert ask_about.run(image=image, region=region, backend=backend)["answer"] == direct["text"], name
+        answer = ask_about.run(image=image, region=region, backend=backend)["answer"]
+        assert answer == program_text(server, segments, direct), name
     assert len({tuple(r) for r in references.values()}) == len(regions), f"each region must change HF: {references}"

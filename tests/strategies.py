@@ -5,11 +5,13 @@ ids, spans with and without image and clip grids, spans by handle)."""
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
-from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, CAUSAL, IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID
+from sgl_embeds_protocol.segments import (ATTENTION, BIDIRECTIONAL, CAUSAL, GRID_FIELDS, IMAGE_GRID, SECONDS_PER_STEP,
+                                          TIMESTAMPS, VIDEO_GRID)
 
 numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
 scalars = st.one_of(numbers, st.booleans(), st.none(), st.text(max_size=5))
@@ -142,3 +144,169 @@ def prompts(info: dict, handle: str):
     framed = st.tuples(opening, span, closing).map(list)
     unit = framed | text.map(lambda s: [s]) | framed | ids.map(lambda s: [s]) | framed | span.map(lambda s: [s])
     return st.lists(unit, min_size=1, max_size=3).map(lambda units: [s for u in units for s in u])
+
+
+# -- prompts with their verdict: built valid, or with one fault and the refusal that names it ---
+# A valid prompt is text (no vision text), ids of the vocabulary (no vision ids) and spans of the
+# served form: on an M-RoPE VLM each an image or clip of the right rows and time between the vision
+# tokens; elsewhere spans without a grid, attended either way. A faulty one is a valid one with
+# exactly one thing wrong. ``Verdict.refusal``: a phrase the 400 must hold (None: a 200).
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fault: str | None
+    refusal: str | None
+
+
+VALID = Verdict(None, None)
+# fault -> a phrase of the refusal that names it (sgl_embeds_protocol.segments, wire,
+# sgl_embeds_srt.image_spans, prompts, parse)
+VLM_FAULTS = {
+    "grid rows": "rows (merge size",
+    "image t = 2": "an image's grid has t = 1",
+    "grid t = 0": "of positive ints",
+    "grid side": "multiples of the merge size",
+    "time on an image": "are a clip's time",
+    "no vision start": "must follow the vision-start token",
+    "no vision end": "must be followed by the vision-end token",
+    "pad as text": "outside a grid span",
+    "span without a grid": "give the span its",
+    "block": "attends its image rows as its own model does",
+}
+CLIP_TIME_FAULTS = {"clip without its time": "a clip on ", "bad seconds": "a finite number of seconds",
+                    "bad timestamps": "one time in seconds"}
+COMMON_FAULTS = {
+    "unknown handle": "unknown span handle",
+    "id out of vocabulary": "outside the vocabulary",
+    "width": "rows of width",
+    "not finite": "NaN or Inf",
+    "attention value": "attention must be",
+}
+FLAT_FAULTS = {"grid on a 1-D model": "are for VLMs served natively with M-RoPE"}
+
+
+def faults_of(info: dict) -> dict[str, str]:
+    """The faults a prompt for this server may be built with, and the phrase of each refusal."""
+    vision = info["vision"]
+    if vision is None:
+        return {**COMMON_FAULTS, **FLAT_FAULTS}
+    clip_time = {} if vision["video_time"] is None else {
+        "clip without its time": CLIP_TIME_FAULTS["clip without its time"],
+        "bad seconds" if vision["video_time"] == SECONDS_PER_STEP else "bad timestamps":
+            CLIP_TIME_FAULTS["bad seconds" if vision["video_time"] == SECONDS_PER_STEP else "bad timestamps"]}
+    return {**COMMON_FAULTS, **VLM_FAULTS, **clip_time}
+
+
+def _rows(draw, n: int, width: int) -> torch.Tensor:
+    seed = draw(st.integers(0, 2**16))
+    return (torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * 0.05).to(draw(st.sampled_from(DTYPES)))
+
+
+@st.composite
+def judged_prompts(draw, info: dict, handle: str) -> tuple[list[dict], Verdict]:
+    """A prompt built valid, or valid but for one fault, with its ``Verdict``; each prompt holds
+    a span. Units: text, ids, and spans (on a VLM framed by the vision tokens as text or ids)."""
+    vocab, vision, width = info["vocab_size"], info["vision"], info["span_width"]
+    special = {vision[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                   "video_token_id")} if vision else set()
+    merge = vision["merge_size"] if vision else 2
+
+    def text() -> dict:
+        return {"type": "text", "text": "".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3)))}
+
+    def ids() -> dict:
+        pick = st.integers(0, vocab - 1).filter(lambda i: i not in special)
+        return {"type": "input_ids", "input_ids": draw(st.lists(pick, min_size=1, max_size=3))}
+
+    def span() -> dict:
+        if draw(st.integers(0, 3)) == 0:  # the span the server holds
+            return {"type": "embeds", "embeds": {"handle": handle}, **({IMAGE_GRID: held_grid(merge)} if vision else {})}
+        if vision is None:
+            attention = _spread(draw, [None, CAUSAL, BIDIRECTIONAL])
+            return _with_attention({"type": "embeds", "embeds": _rows(draw, draw(st.integers(1, 8)), width)}, attention)
+        clip = draw(st.booleans())
+        t = draw(st.integers(1, 3)) if clip else 1
+        h, w = draw(st.integers(1, 3)) * merge, draw(st.integers(1, 3)) * merge
+        fields = {VIDEO_GRID if clip else IMAGE_GRID: [t, h, w]}
+        if clip and vision["video_time"]:
+            fields.update(_time_fields(draw, t, [vision["video_time"]], bad_values=False))
+        return {"type": "embeds", "embeds": _rows(draw, t * h * w // merge**2, width), **fields}
+
+    def framed() -> list[dict]:
+        if vision is None:
+            return [span()]
+        as_ids = draw(st.booleans())
+        opening = ({"type": "input_ids", "input_ids": [vision["vision_start_token_id"]]} if as_ids
+                   else {"type": "text", "text": draw(st.sampled_from(WORDS)) + VISION_TEXT[0]})
+        closing = ({"type": "input_ids", "input_ids": [vision["vision_end_token_id"]]} if as_ids
+                   else {"type": "text", "text": VISION_TEXT[1] + draw(st.sampled_from(WORDS))})
+        return [opening, span(), closing]
+
+    units = draw(st.lists(st.sampled_from(["text", "ids", "span"]), max_size=3))
+    units.insert(draw(st.integers(0, len(units))), "span")
+    built = [framed() if u == "span" else [text() if u == "text" else ids()] for u in units]
+    faults = faults_of(info)
+    if draw(st.integers(0, 2)) == 0:  # a third valid, the rest one fault each
+        return [s for unit in built for s in unit], VALID
+    fault = _spread(draw, sorted(faults))
+    spans = [unit for unit in built if any(s["type"] == "embeds" for s in unit)]
+    unit = spans[draw(st.integers(0, len(spans) - 1))]
+    _break(draw, fault, unit, built, info)
+    return [s for unit in built for s in unit], Verdict(fault, faults[fault])
+
+
+def _break(draw, fault: str, unit: list[dict], built: list[list[dict]], info: dict) -> None:
+    """Give the prompt ``built`` the one ``fault`` (at ``unit``, one of its spans with its framing)."""
+    vision, width = info["vision"], info["span_width"]
+    merge = vision["merge_size"] if vision else 2
+    i = next(k for k, s in enumerate(unit) if s["type"] == "embeds")
+    span = unit[i]
+    inline = not isinstance(span["embeds"], dict)
+    n = span["embeds"].shape[0] if inline else HELD_ROWS
+    grid_name = VIDEO_GRID if VIDEO_GRID in span else IMAGE_GRID
+    if fault == "grid rows":
+        rows = span["embeds"] if inline else _rows(draw, n, width)
+        unit[i] = {**span, "embeds": rows[: n - 1] if n > 1 else torch.cat([rows, rows])}
+    elif fault in ("image t = 2", "time on an image"):
+        t, h, w = span.get(grid_name)
+        base = {k: v for k, v in span.items() if k not in GRID_FIELDS}
+        if fault == "image t = 2":
+            unit[i] = {**base, "embeds": _rows(draw, 2 * h * w // merge**2, width), IMAGE_GRID: [2, h, w]}
+        else:
+            unit[i] = {**base, "embeds": _rows(draw, h * w // merge**2, width), IMAGE_GRID: [1, h, w],
+                       SECONDS_PER_STEP: 1.0}
+    elif fault == "grid t = 0":
+        unit[i] = {**span, grid_name: [0, *span[grid_name][1:]]}
+    elif fault == "grid side":
+        unit[i] = {**span, grid_name: [span[grid_name][0], merge + 1, span[grid_name][2]]}
+    elif fault == "no vision start":
+        del unit[0]
+    elif fault == "no vision end":
+        del unit[-1]
+    elif fault == "pad as text":
+        built.insert(draw(st.integers(0, len(built))), [{"type": "text", "text": "the" + VISION_TEXT[2]}])
+    elif fault == "span without a grid":
+        unit[i] = {k: v for k, v in span.items() if k not in GRID_FIELDS}
+    elif fault in ("block", "attention value"):
+        unit[i] = {**span, ATTENTION: BIDIRECTIONAL if fault == "block" else draw(st.sampled_from(["sideways", 1]))}
+    elif fault in ("clip without its time", "bad seconds", "bad timestamps"):
+        t, h, w = span.get(grid_name)
+        plain = {k: v for k, v in span.items() if k not in GRID_FIELDS}
+        time = {} if fault == "clip without its time" else _time_fields(draw, t, [vision["video_time"]], bad_values=True)
+        unit[i] = {**plain, "embeds": _rows(draw, t * h * w // merge**2, width), VIDEO_GRID: [t, h, w], **time}
+    elif fault == "unknown handle":
+        unit[i] = {**span, "embeds": {"handle": UNKNOWN_HANDLE}}
+    elif fault == "id out of vocabulary":
+        built.insert(draw(st.integers(0, len(built))), [{"type": "input_ids", "input_ids": [
+            draw(st.sampled_from([info["vocab_size"], info["vocab_size"] + 7, -1]))]}])
+    elif fault == "width":
+        unit[i] = {**span, "embeds": _rows(draw, n, draw(st.sampled_from([width + 1, width - 1])))}
+    elif fault == "not finite":
+        rows = (span["embeds"] if inline else _rows(draw, n, width)).clone()
+        rows[draw(st.integers(0, n - 1)), draw(st.integers(0, width - 1))] = draw(st.sampled_from([float("nan"), float("inf")]))
+        unit[i] = {**span, "embeds": rows}
+    elif fault == "grid on a 1-D model":
+        unit[i] = {**span, IMAGE_GRID: [1, 2, 2]}
+    else:
+        raise AssertionError(f"no such fault {fault!r}")

@@ -22,7 +22,7 @@ from sgl_embeds_testing.models import cache_dir, train_tokenizer
 from sgl_embeds_testing.reference import Greedy, _greedy_from_scores
 from sgl_embeds_protocol.family import FAMILIES, NATIVE
 
-QWEN_VL_CACHE_VERSION = "v4"  # v4: the chat template renders video parts
+QWEN_VL_CACHE_VERSION = "v5"  # v5: the tiny Qwen3-VL has three deepstack layers, as published ones
 # v5: as transformers saves them, without the fields SGLang reads and they lack (serve writes
 # them: serve.hybrid_config_fixes)
 HYBRID_CACHE_VERSION = "v5"
@@ -117,15 +117,16 @@ def tiny_qwen2_vl_dir() -> Path:
 
 def tiny_qwen3_vl_dir() -> Path:
     """A tiny random-weight ``Qwen3VLForConditionalGeneration`` (Qwen3-VL): language model hidden
-    64, 3 layers, 4 heads (2 KV), head dim 16, interleaved M-RoPE sections [2, 3, 3]; vision tower
-    width 32, depth 2, learned position embeddings (8x8), patch 16, and deepstack rows from both
-    of its blocks (``deepstack_visual_indexes`` [0, 1]: the LLM adds them after its layers 0 and
-    1); images of 4 to 16 merged patches. An image's span is ``[n, 64 x 3]``: its rows, then each
-    deepstack layer's."""
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    64, 4 layers, 4 heads (2 KV), head dim 16, interleaved M-RoPE sections [2, 3, 3]; vision tower
+    width 32, depth 4, learned position embeddings (8x8), patch 16, and three deepstack layers, as
+    the published checkpoints have, from blocks 0, 1 and 3 (``deepstack_visual_indexes``: the LLM
+    adds them after its layers 0, 1 and 2; a layer added after the last one would reach no
+    answer); images of 4 to 16 merged patches. An image's span is ``[n, 64 x 4]``: its rows, then
+    each deepstack layer's."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0, 1, 3])
     return _qwen_vl_dir(f"tiny-qwen3_vl-{QWEN_VL_CACHE_VERSION}", "qwen3_vl", text, vision,
                         (MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS), _INIT)
 

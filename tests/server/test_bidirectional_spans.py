@@ -191,10 +191,15 @@ def test_a_vlm_served_natively_refuses_a_block_and_keeps_serving(qwen_vl_spans_s
     assert qwen_vl_spans_server.generate(body(span_segments(text, [span_dict]), 4)).status_code == 200
 
 
-def test_retraction_keeps_blocks_exact(llama_server, constrained_server):
+def test_retraction_keeps_blocks_exact(llama_server, constrained_server, llama_dir):
     """8 concurrent block prompts of ~34 positions + 40 new tokens overflow the constrained
     server's 256 KV slots: requests are retracted and prefilled again (their blocks cut by
     16-position chunks, a hit inside a block from the same block), and every answer equals the
-    one the roomy server gives alone."""
+    one the roomy server gives alone, which is HF's with the same mask over all 40 tokens."""
+    def matches_hf(segments: list, out: dict) -> None:
+        parts = helpers.segment_parts(segments)
+        ref.assert_matches_hf(out, llama_dir, reference_embeds(llama_dir, parts), 40, "retracted: ",
+                              blocks=_blocks(llama_dir, parts))
+
     helpers.assert_retraction_keeps_outputs(llama_server, constrained_server, lambda attempt: [
-        _segments(["one two", _rows(600 + 10 * attempt + i, 30), " three"]) for i in range(8)])
+        _segments(["one two", _rows(600 + 10 * attempt + i, 30), " three"]) for i in range(8)], matches_hf)

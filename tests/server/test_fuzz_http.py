@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 import requests
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,11 +41,11 @@ from sgl_embeds_testing.qwen_vl import (sample_images, tiny_qwen2_5_vl_dir, tiny
                                          tiny_qwen3_5_moe_dir, tiny_qwen3_vl_dir)
 from sgl_embeds_protocol import binary_body, wire
 from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, GRID_FIELDS, IMAGE_GRID, VIDEO_GRID
-from strategies import HELD_ROWS, payloads, prompts
+from strategies import HELD_ROWS, faults_of, judged_prompts, payloads, prompts
 
 pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
 LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
-PAYLOAD_EXAMPLES, PROMPT_EXAMPLES = (LONG, LONG) if LONG else (24, 100)
+PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 100, 60)
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ONE_TOKEN = {"max_new_tokens": 1}
@@ -184,6 +185,66 @@ def test_random_prompts_never_cause_a_server_error(served, server_name, data):
         outcomes.update(["4xx", *{f"4xx {check}" for phrase, check in CHECKS.items() if phrase in message}])
 
 
+# The judged fuzzer's routes: those that take the segments as they are (a chat writes its own text
+# around its parts, so a prompt built valid there is another thing; the chat route is fuzzed above)
+JUDGED_ROUTES = ("/generate", "/v1/completions")
+VERDICTS: dict[str, Counter] = {name: Counter() for name in helpers.FAMILY_SERVERS}
+HF_CHECKED = ("llama",)  # where HF's answer to each valid prompt is cheap: a plain Llama, rows as they are
+
+
+def _assert_hf_answers(server, segments: list[dict], held: torch.Tensor, answer: dict) -> None:
+    """The one token served for a valid prompt is HF's greedy one (a near tie where ours is HF's
+    runner-up forgiven and counted) and its logprob HF's number."""
+    rows, blocks = [], []
+    position = 0
+    for i, s in enumerate(segments):
+        if s["type"] == "text":
+            part = ref.text_embeds(server.model_dir, s["text"], first=i == 0)
+        elif s["type"] == "input_ids":
+            part = ref.embed_ids(server.model_dir, s["input_ids"])
+        else:
+            part = held if isinstance(s["embeds"], dict) else s["embeds"].float()
+            if s.get(ATTENTION) == BIDIRECTIONAL:
+                blocks.append((position, position + part.shape[0]))
+        rows.append(part)
+        position += part.shape[0]
+    reference = ref.greedy_after(server.model_dir, torch.cat(rows), 1, blocks=blocks)
+    (token,), ((logprob, _, _),) = answer["output_ids"], answer["meta_info"]["output_token_logprobs"]
+    hf = reference.distributions[0]
+    assert abs(logprob - float(hf[token])) <= ref.LOGPROB_TOL, (segments, logprob, float(hf[token]))
+    if token != reference.tokens[0]:
+        assert reference.gaps[0] < ref.NEAR_TIE and token == reference.runner_ups[0], (token, reference)
+        ref.FORGIVEN.append(f"fuzzed prompt {segments}")
+
+
+@settings(max_examples=JUDGED_EXAMPLES, **FUZZ)
+@given(data=st.data())
+def test_prompts_built_valid_are_served_and_built_faulty_are_refused_naming_the_fault(served, server_name, data):
+    """Each prompt has its verdict before it is sent (``strategies.judged_prompts``): one built
+    valid must be served (200, on the plain Llama HF's token and logprob), one built with a single
+    fault must be a 400 whose message names that fault."""
+    server, info, handle = served
+    held = helpers.seeded_rows(5, HELD_ROWS, info["span_width"])
+    up = requests.post(server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(held)}, timeout=60)
+    assert up.status_code == 200 and up.json()["handle"] == handle, up.text  # held again, should it have gone
+    segments, verdict = data.draw(judged_prompts(info, handle), "prompt")
+    route = data.draw(st.sampled_from(JUDGED_ROUTES), "route")
+    binary = data.draw(st.booleans(), "binary")
+    body = PROMPT_ROUTES[route](segments)
+    check_hf = verdict.refusal is None and route == "/generate" and server_name in HF_CHECKED
+    r = _post(server, route, {**body, **helpers.OUTPUT_LOGPROBS} if check_hf else body, binary)
+    if verdict.refusal is None:
+        assert r.status_code == 200, (route, binary, segments, r.text[:500])
+        _assert_well_formed(route, r.json(), info["vocab_size"])
+        if check_hf:
+            _assert_hf_answers(server, segments, held, r.json())
+        VERDICTS[server_name].update(["served", *(["served, HF's answer"] if check_hf else [])])
+    else:
+        message = _assert_an_error_body(r, (route, binary, verdict, segments))
+        assert r.status_code == 400 and verdict.refusal in message, (verdict, route, binary, message, segments)
+        VERDICTS[server_name].update(["refused", f"refused: {verdict.fault}"])
+
+
 # The checkpoints of the natively served VLMs' servers (theirs with NaN vision towers)
 QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": tiny_qwen3_vl_dir,
                        "qwen2_vl_spans": tiny_qwen2_vl_dir, "qwen3_5": tiny_qwen3_5_dir,
@@ -274,5 +335,14 @@ def test_the_server_still_serves_after_the_fuzzing(servers, server_name, llava_d
     assert min(outcomes["200"], outcomes["4xx"]) >= PROMPT_EXAMPLES // 8, outcomes
     missed = [any_of for any_of in REACHED.get(server_name, REACHED_1D) if not set(any_of) & set(outcomes)]
     assert not missed, f"no fuzzed prompt reached any of {missed}: {outcomes}"
+    verdicts = VERDICTS[server_name]
+    judged = f"judged {server_name}: {JUDGED_EXAMPLES} prompts: {dict(sorted(verdicts.items()))}"
+    print(judged)
+    request.config.stash.setdefault(helpers.SUMMARY_LINES, []).append(judged)
+    assert verdicts["served"] + verdicts["refused"] == JUDGED_EXAMPLES, verdicts  # each as judged
+    assert verdicts["served"] >= JUDGED_EXAMPLES // 5, verdicts
+    info = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()
+    unseen = [fault for fault in faults_of(info) if not verdicts[f"refused: {fault}"]]
+    assert not unseen, f"no prompt was built with {unseen}: {verdicts}"
     assert server.alive() and requests.get(server.url + "/health", timeout=10).status_code == 200
     _answers_like_hf(server_name, server, llava_dirs)

@@ -88,10 +88,13 @@ def test_chunked_prefill_splits_spans_and_matches_unconstrained(llama_server, co
     assert len(inside) >= 2, (chunks, start, span_start)  # the span was cut in (at least) three pieces
 
 
-def test_eviction_and_retraction_keep_outputs_identical(llama_server, constrained_server):
-    # 8 concurrent requests of ~34 positions + 40 new tokens each need far more than 256 KV slots.
+def test_eviction_and_retraction_keep_outputs_identical(llama_server, constrained_server, llama_dir):
+    """8 concurrent requests of ~34 positions + 40 new tokens each need far more than 256 KV
+    slots: each answer equals the one served alone, which is HF's over all 40 tokens."""
     helpers.assert_retraction_keeps_outputs(llama_server, constrained_server, lambda attempt: [
-        [text("one two"), span(seeded_rows(500 + 10 * attempt + i, 30)), text(" three")] for i in range(8)])
+        [text("one two"), span(seeded_rows(500 + 10 * attempt + i, 30)), text(" three")] for i in range(8)],
+        lambda segments, out: ref.assert_matches_hf(
+            out, llama_dir, reference_embeds(llama_dir, helpers.segment_parts(segments)), 40, "retracted: "))
 
 
 def test_a_cache_salt_or_extra_key_keeps_span_prompts_apart(llama_server):

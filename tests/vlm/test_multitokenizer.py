@@ -90,7 +90,7 @@ def test_span_prompts_work_through_every_tokenizer_worker(multi_tokenizer_server
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         refused = list(pool.map(lambda _: multi_tokenizer_server.generate(
             helpers.body(span_segments(text, [main_only]), MAX_TOKENS)), range(8)))
-    assert all(r.status_code == 400 and "[n, 64 x (1 + 2)] = [n, 192]" in r.json()["message"] for r in refused), (
+    assert all(r.status_code == 400 and "[n, 64 x (1 + 3)] = [n, 256]" in r.json()["message"] for r in refused), (
         [r.text for r in refused])
 
 

@@ -275,11 +275,14 @@ def test_a_span_by_endpoint_in_a_binary_body_then_by_handle_is_cached_through_it
 def test_retraction_leaves_the_answers_as_they_were(server, checkpoint):
     """Eight image prompts at once need more KV than the server's pool (``--max-total-tokens``):
     decode retracts some, which are prefilled again from their ids and spans, and every answer is
-    the one the prompt gets alone."""
-    prompts = [span_segments(chat_text(checkpoint, question, 1), [grid_span(checkpoint, image)])
-               for question in ("describe the picture", "what is the color of the object")
-               for image in sample_images().values()]
-    alone = [helpers.generate(server, helpers.body(p, RETRACTED_TOKENS)) for p in prompts]
+    the one the prompt gets alone, which is HF's on the pixels over all its tokens."""
+    asked = [(chat_text(checkpoint, question, 1), image)
+             for question in ("describe the picture", "what is the color of the object")
+             for image in sample_images().values()]
+    prompts = [span_segments(text, [grid_span(checkpoint, image)]) for text, image in asked]
+    alone = [helpers.generate(server, helpers.body(p, RETRACTED_TOKENS, return_logprob=True)) for p in prompts]
+    for (text, image), out in zip(asked, alone):
+        assert_matches_hf(out, checkpoint, text, [image], "served alone", max_new_tokens=RETRACTED_TOKENS)
     retracted, attempts = 0, 0
     while retracted == 0 and attempts < 3:  # whether it retracts depends on how the eight arrive
         _flush(server)

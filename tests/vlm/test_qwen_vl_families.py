@@ -4,7 +4,7 @@ client computes an image's rows with HF's own vision module (``load_encoder``), 
 the vision tokens, and the server's greedy tokens and logprobs equal HF's own class on the pixels
 (float32); the server's vision weights are NaN, so an exact answer proves the tower never ran, and
 its small prefill chunk cuts every image. A Qwen3-VL span carries its deepstack rows after its
-main rows along the width ([n, 64 x 3]): the same rows without them are a 400 that names the
+main rows along the width ([n, 64 x 4]): the same rows without them are a 400 that names the
 width, and with them zeroed the answer is not HF's."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import concurrent.futures
 
 import numpy as np
 import pytest
-import torch
 
 import helpers
 from sgl_embeds_testing import reference as ref
@@ -132,25 +131,27 @@ def test_vision_tokens_outside_a_span_and_a_span_left_open_are_400s(served):
 
 
 @pytest.mark.pooled("qwen3_vl_spans")
-def test_qwen3_vl_without_its_deepstack_rows_is_a_400_and_zeroed_ones_change_the_answer(servers):
+def test_qwen3_vl_without_its_deepstack_rows_is_a_400_and_each_zeroed_layer_changes_the_answer(servers):
     """Without its deepstack rows a Qwen3-VL span is another model's: a 400 that names the width
-    ([n, 64 x (1 + 2)] = [n, 192]); with them zeroed, the answer's numbers are not HF's (the
-    deepstack rows reach the LLM's layers)."""
+    ([n, 64 x (1 + 3)] = [n, 256]); with any one of its three deepstack layers zeroed, the
+    answer's numbers are not HF's (each layer reaches the LLM)."""
     checkpoint, server = tiny_qwen3_vl_dir(), servers.get("qwen3_vl_spans")[0]
     text = chat_text(checkpoint, "what is the color of the object", 1)
     image = sample_images()["stripes"]
     rows, grid = image_rows(checkpoint, image)
-    assert rows.shape[1] == 192
+    assert rows.shape[1] == 256
     main_only = {**helpers.span(rows[:, :64]), "image_grid_thw": list(grid)}
     res = server.generate(helpers.body(span_segments(text, [main_only]), MAX_TOKENS))
     message = res.json().get("message", "")
-    assert res.status_code == 400 and "[n, 64 x (1 + 2)] = [n, 192]" in message and "deepstack" in message, res.text
-    zeroed = torch.cat([rows[:, :64], torch.zeros_like(rows[:, 64:])], dim=1)
-    out = ask(server, span_segments(text, [{**helpers.span(zeroed), "image_grid_thw": list(grid)}]))
+    assert res.status_code == 400 and "[n, 64 x (1 + 3)] = [n, 256]" in message and "deepstack" in message, res.text
     reference = qwen_vl_greedy(checkpoint, text, [image], MAX_TOKENS)
-    ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    worst = max(abs(a - b) for a, b in zip(ours, reference.logprobs))
-    assert out["output_ids"] != reference.tokens or worst > 100 * 1e-4, "zeroed deepstack rows must change the numbers"
+    for layer in (1, 2, 3):
+        zeroed = rows.clone()
+        zeroed[:, 64 * layer:64 * (layer + 1)] = 0
+        out = ask(server, span_segments(text, [{**helpers.span(zeroed), "image_grid_thw": list(grid)}]))
+        ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        worst = max(abs(a - b) for a, b in zip(ours, reference.logprobs))
+        assert out["output_ids"] != reference.tokens or worst > 100 * 1e-4, f"zeroed deepstack layer {layer}"
 
 
 def test_qwen3_vl_raw_images_and_spans_on_one_server_both_equal_hf(qwen3_vl_server):
@@ -170,8 +171,8 @@ def test_qwen3_vl_raw_images_and_spans_on_one_server_both_equal_hf(qwen3_vl_serv
     assert_matches_hf(outs[1], checkpoint, text, [pictures["stripes"]], "image span")
     assert outs[2]["output_ids"] == outs[0]["output_ids"] and outs[3]["output_ids"] == outs[1]["output_ids"]
     rows = wire.decode_tensor(span["embeds"])
-    main_rows = {**span, **helpers.span(rows[:, :rows.shape[1] // 3])}  # the image's rows alone
+    main_rows = {**span, **helpers.span(rows[:, :64])}  # the image's rows alone
     res = qwen3_vl_server.generate(helpers.body(span_segments(text, [main_rows]), MAX_TOKENS))
-    assert res.status_code == 400 and "[n, 64 x (1 + 2)] = [n, 192]" in res.json()["message"], res.text
+    assert res.status_code == 400 and "[n, 64 x (1 + 3)] = [n, 256]" in res.json()["message"], res.text
     again = helpers.generate(qwen3_vl_server, raw)
     assert again["output_ids"] == outs[0]["output_ids"]

@@ -22,7 +22,7 @@ import sglang as sgl
 
 import engine_probe
 import helpers
-from qwen_vl_harness import (CLIP_FAMILIES, image_program, MAX_TOKENS, ask, assert_matches_hf, chat_text, grid_span,
+from qwen_vl_harness import (CLIP_FAMILIES, image_program, MAX_TOKENS, ask, program_text, assert_matches_hf, chat_text, grid_span,
                              span_segments)
 from sgl_embeds import EmbedsEndpoint, vision
 from sgl_embeds.vlm import load_encoder
@@ -49,6 +49,8 @@ from sgl_embeds_protocol import keys, wire
 from sgl_embeds_protocol.segments import Grid, Span, Text
 
 pytestmark = pytest.mark.server
+RETRACTED_TOKENS = 60  # eight prompts of ~50 positions and this many new tokens: more than the KV pool
+
 
 def test_one_image_span_equals_hf_on_the_pixels(qwen_vl_spans_server, qwen_vl_dir):
     text = chat_text(qwen_vl_dir, "what is the color of the object", 1)
@@ -191,7 +193,8 @@ def test_a_program_and_run_send_image_spans(qwen_vl_spans_server, qwen_vl_dir):
                          sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}, return_logprob=True)
     assert_matches_hf(direct, qwen_vl_dir, text, [image], "run")
     state = ask_image.run(rows=rows, grid=grid, backend=backend)
-    assert state["answer"] == direct["text"]
+    segments = span_segments(text, [{**helpers.span(rows), "image_grid_thw": list(grid)}])
+    assert state["answer"] == program_text(qwen_vl_spans_server, segments, direct)
     with pytest.raises(ValueError, match="image_grid_thw must be"):
         sgl.embeds(rows, image_grid_thw=(1, 4))
 
@@ -385,22 +388,25 @@ def test_a_program_with_the_client_vision_half_sees_the_image_a_box_and_a_mask(q
         direct = ask(qwen_vl_spans_server, span_segments(text, [span]))
         references[name] = assert_matches_hf(direct, qwen_vl_dir, text, [seen], f"client encoder, {name}")
         state = ask_about.run(image=image, region=region, backend=backend)
-        assert state["answer"] == direct["text"], name
+        assert state["answer"] == program_text(qwen_vl_spans_server, span_segments(text, [span]), direct), name
     assert len({tuple(r) for r in references.values()}) == 3, f"the region must change HF: {references}"
 
 
 def test_retraction_keeps_image_span_outputs_identical(qwen_vl_spans_server, qwen_vl_dir):
     """8 concurrent image-span requests of ~50 positions + 60 new tokens each need far more than
     the server's 256 KV positions: the scheduler retracts some and prefills them again later
-    (their image items too); every output equals the same request served alone. Whether it
-    retracts depends on how the requests arrive: each attempt must be identical, one must retract."""
+    (their image items too); every output equals the same request served alone, which is HF's
+    on the pixels over all 60 tokens. Whether it retracts depends on how the requests arrive:
+    each attempt must be identical, one must retract."""
     pictures = list(sample_images().values())
     questions = ["what is the color of the object", "describe it in a few words"]
-    prompts = [span_segments(chat_text(qwen_vl_dir, questions[i // 4], 1), [grid_span(qwen_vl_dir, pictures[i % 4])])
-               for i in range(8)]
-    bodies = [{"input_segments": p, "sampling_params": {**helpers.GREEDY, "max_new_tokens": 60}}
-              for p in prompts]
-    want = [helpers.generate(qwen_vl_spans_server, b)["output_ids"] for b in bodies]
+    asked = [(chat_text(qwen_vl_dir, questions[i // 4], 1), pictures[i % 4]) for i in range(8)]
+    bodies = [helpers.body(span_segments(text, [grid_span(qwen_vl_dir, image)]), RETRACTED_TOKENS, return_logprob=True)
+              for text, image in asked]
+    alone = [helpers.generate(qwen_vl_spans_server, b) for b in bodies]
+    for (text, image), out in zip(asked, alone):
+        assert_matches_hf(out, qwen_vl_dir, text, [image], "served alone", max_new_tokens=RETRACTED_TOKENS)
+    want = [out["output_ids"] for out in alone]
     assert len({tuple(w) for w in want}) == 8
     retracted, attempts = 0, 0
     while retracted == 0 and attempts < 3:

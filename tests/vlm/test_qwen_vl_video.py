@@ -1,9 +1,12 @@
 """Clip spans on the natively served Qwen-VL families: a clip's rows (HF's ``get_video_features``,
-frame after frame; Qwen3-VL's deepstack rows along the width) with its ``video_grid_thw`` and the
-time its family reads (Qwen2.5-VL ``second_per_grid_t``, Qwen3-VL ``video_timestamps``, Qwen2-VL
-none) between the vision tokens. The server's greedy tokens and logprobs equal HF's own class on
-the frames (float32) for clips of 4 and 8 frames at two sizes and two frame rates; the servers'
-vision weights are NaN, so an exact answer proves the tower never ran. The clip sizes keep a
+frame after frame; Qwen3-VL's three deepstack layers' rows along the width) with its
+``video_grid_thw`` and the time its family reads (Qwen2.5-VL ``second_per_grid_t``, Qwen3-VL
+``video_timestamps``, Qwen2-VL none) between the vision tokens. The server's greedy tokens and
+logprobs equal HF's own class on the frames (float32) for clips of 4 and 8 frames at two sizes
+and two frame rates, clips as users send them (frame counts that do not fill a temporal step, at
+1, 3 and 30 fps, encoded by the client; two clips and two images in one prompt, in either order;
+frames as PIL images, an array or a tensor); the servers' vision weights are NaN, so an exact
+answer proves the tower never ran. The clip sizes keep a
 Qwen2.5-VL clip's time extent below its width: past it, HF 5.19 starts the text after a clip at
 another position than SGLang's rope index (and the original Qwen code) do (docs/vision-encoders.md).
 """
@@ -12,10 +15,14 @@ from __future__ import annotations
 
 import pytest
 import requests
+import torch
+from PIL import Image
 
 import helpers
 import sgl_embeds
-from qwen_vl_harness import CLIP_FAMILIES, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span, span_segments
+from sgl_embeds import vision
+from qwen_vl_harness import (CLIP_FAMILIES, MAX_TOKENS, ask, assert_matches_hf, chat_text, clip_span, grid_span,
+                             program_text, span_segments)
 from sgl_embeds_testing.qwen_vl import (
     VIDEO_PLACEHOLDER,
     clip_rows,
@@ -30,6 +37,9 @@ from sgl_embeds_protocol import wire
 
 pytestmark = pytest.mark.server
 OTHER_SEED = 14  # another clip, whose answers are varied on every family (measured)
+# (frames, fps) as users send them: odd frame counts, so the processor repeats the last frame to
+# fill the last temporal step, at rates other than the 2 and 4 fps above
+CLIPS_AS_SENT = ((3, 1.0), (5, 3.0), (7, 30.0))
 TIMED = ["qwen_vl_spans", "qwen3_vl_spans"]  # the families whose clips carry their time
 
 
@@ -63,6 +73,44 @@ def test_a_clip_equals_hf_on_its_frames_at_two_lengths_sizes_and_rates(served):
         hf_prompt = qwen_vl_inputs(checkpoint, text, [], clips=[clip])["input_ids"][0]
         assert out["meta_info"]["prompt_tokens"] == len(hf_prompt), label
     assert len({tuple(r) for r in references.values()}) == len(references), f"clips must change HF: {references}"
+
+
+def test_odd_frame_counts_at_other_rates_encoded_by_the_client_equal_hf(served):
+    """The client's ``clip`` (``vision.encode_clip``: the checkpoint's video processor, the tower,
+    the time as the family's processor writes it) on clips whose last temporal step is filled with
+    a repeated frame, at 1, 3 and 30 fps (at 30 fps Qwen2.5-VL's steps share their time
+    positions): each answer is HF's on the frames."""
+    checkpoint, server, (wide, _), seed = served
+    encoder = load_encoder(checkpoint, device="cpu")
+    text = video_text(checkpoint)
+    references = {}
+    for frames, fps in CLIPS_AS_SENT:
+        clip = (sample_clip(frames, *wide, seed=seed), fps)
+        label = f"{frames} frames at {fps:g} fps"
+        encoded = vision.encode_clip(*clip, encoder)
+        assert encoded.grid.thw[0] == -(-frames // encoder.temporal_patch_size), label
+        out = ask(server, span_segments(text, [{**helpers.span(encoded.rows), **encoded.grid.fields()}]))
+        references[label] = assert_matches_hf(out, checkpoint, text, [], label, clips=[clip])
+    assert len({tuple(r) for r in references.values()}) == len(references), f"clips must change HF: {references}"
+
+
+def test_two_clips_and_two_images_in_one_prompt_in_either_order(served):
+    """Clip, image, clip, image in one prompt (a clip of 4 frames at 2 fps and one of 3 frames at
+    3 fps, of two sizes): equal to HF in both orders of the clips, and the order changes HF's
+    answer."""
+    checkpoint, server, (wide, small), seed = served
+    text = chat_text(checkpoint, "compare the videos and the pictures", 0, media=("video", "image", "video", "image"))
+    pictures = sample_images()
+    clips = [(sample_clip(4, *wide, seed=seed), 2.0), (sample_clip(3, *small, seed=OTHER_SEED), 3.0)]
+    answers = []
+    for order in (clips, clips[::-1]):
+        label = f"clips of {len(order[0][0])} then {len(order[1][0])} frames"
+        spans = [clip_span(checkpoint, *order[0]), grid_span(checkpoint, pictures["disc"]),
+                 clip_span(checkpoint, *order[1]), grid_span(checkpoint, pictures["square"])]
+        out = ask(server, span_segments(text, spans))
+        answers.append(assert_matches_hf(out, checkpoint, text, [pictures["disc"], pictures["square"]], label,
+                                         clips=order))
+    assert answers[0] != answers[1], f"the clips' order must change HF's answer: {answers}"
 
 
 @pytest.mark.parametrize("name", helpers.pooled(TIMED))
@@ -132,7 +180,7 @@ def test_a_repeat_is_cached_and_another_clip_or_order_shares_only_the_text_befor
 def test_a_program_with_sgl_video_and_the_client_vision_half(served):
     """``load_encoder(DIR).clip`` through ``sgl.video(frames, fps)`` between the vision tokens:
     the program's answer is the one HF gives on the frames, and the backend's encoder cache runs
-    the tower once for a clip asked about twice. The backend sends it as it sends any span: in a
+    the tower once for a clip asked about three times, as PIL images, an array and a tensor. The backend sends it as it sends any span: in a
     binary body, held by the server, by handle the second time."""
     checkpoint, server, (wide, _), seed = served
     encoder = load_encoder(checkpoint, device="cpu")
@@ -152,12 +200,14 @@ def test_a_program_with_sgl_video_and_the_client_vision_half(served):
         return requests.get(server.url + "/sgl_embeds/info", timeout=30).json()["span_store"]["count"]
 
     held_before = held()
-    answers = [ask_about.run(frames=frames, fps=2.0, backend=backend)["answer"] for _ in range(2)]
+    # the same frames as users hold them: PIL images, the array, a tensor: one encoding, one span
+    as_sent = ([Image.fromarray(frame) for frame in frames], frames, torch.from_numpy(frames))
+    answers = [ask_about.run(frames=clip, fps=2.0, backend=backend)["answer"] for clip in as_sent]
     assert backend.sends_binary and held() == held_before + 1 and backend.writer.held.sizes()[0] == 1
     direct = ask(server, span_segments(text, [clip_span(checkpoint, frames, 2.0)]))
     assert_matches_hf(direct, checkpoint, text, [], "the clip sent directly", clips=[(frames, 2.0)])
-    assert answers == [direct["text"]] * 2
-    assert (backend.encoder_cache.misses, backend.encoder_cache.hits) == (1, 1)
+    assert answers == [program_text(server, span_segments(text, [clip_span(checkpoint, frames, 2.0)]), direct)] * 3
+    assert (backend.encoder_cache.misses, backend.encoder_cache.hits) == (1, 2)
 
 
 def test_the_chat_route_takes_a_clip_part(served):
