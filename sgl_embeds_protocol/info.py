@@ -26,6 +26,7 @@ class VisionInfo:
     deepstack_layers: int
     span_width: int
     video_time: str | None  # the time a clip carries (family.Family.clip_time)
+    largest_image_rows: int  # of the largest image the server's processor makes (0: it does not say)
 
 
 @dataclass(frozen=True)

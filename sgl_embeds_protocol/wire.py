@@ -42,7 +42,8 @@ class WireError(ValueError):
 def too_big(what: str, max_bytes: int) -> WireError:
     """The refusal of spans over the budget, naming the setting that sizes it."""
     return WireError(f"{what} exceed the size limit of {max_bytes} bytes (counted as float32; the "
-                     f"server's {BUDGET_VAR}, default {MAX_SPAN_BYTES}, bounds all of a request's spans)")
+                     f"server's {BUDGET_VAR} bounds all of a request's spans, by default {MAX_SPAN_BYTES} "
+                     "or the served model's largest image, whichever is more)")
 
 
 def encode_tensor(x: Any, fmt: str = "base64", dtype: str | None = None) -> Any:

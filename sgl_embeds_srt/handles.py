@@ -22,8 +22,11 @@ from sgl_embeds_srt import tenants
 PATH = "/sgl_embeds/spans"
 
 
+BUDGET_VAR = "SGL_EMBEDS_HANDLE_BYTES"  # the bytes the handle store holds
+
+
 def budget_bytes() -> int:
-    return int(os.environ.get("SGL_EMBEDS_HANDLE_BYTES", 1 << 30))
+    return int(os.environ.get(BUDGET_VAR, 1 << 30))
 
 
 class UnknownSpanHandle(wire.WireError):
@@ -74,7 +77,8 @@ class SpanStore:
         size = nbytes(t) + keys.ROW_DIGEST_BYTES * t.shape[0]
         if size > self.budget:
             raise ValueError(f"a span of {size} bytes exceeds the handle store's budget of "
-                             f"{self.budget} bytes")
+                             f"{self.budget} bytes (the server's {BUDGET_VAR}, per tenant where "
+                             "there are tenants)")
         span = keys.keyed(span)
         held = self._lru.get(span.content_key)
         if held is None:

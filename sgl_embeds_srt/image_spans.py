@@ -62,6 +62,19 @@ class VisionSpec:
     def family(self) -> Family:
         return BY_NAME[self.model_type]
 
+    def largest_image_rows(self, processor: Any) -> int:
+        """The rows of the largest image ``processor`` (the checkpoint's, as SGLang loaded it)
+        makes: its most pixels (``size["longest_edge"]``, as transformers 5 writes it, or
+        ``max_pixels``) over a merged patch's; 0 where it does not say."""
+        image = getattr(processor, "image_processor", None)
+        size = getattr(image, "size", None)  # a SizeDict in transformers 5, a dict before
+        longest = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+        pixels = longest or getattr(image, "max_pixels", None)
+        patch = getattr(image, "patch_size", None)
+        if not isinstance(pixels, int) or not isinstance(patch, int) or pixels <= 0 or patch <= 0:
+            return 0
+        return pixels // (patch * self.merge_size) ** 2
+
     def span_width(self, hidden_size: int) -> int:
         """The width of an image's span: the LLM's hidden size, times 1 + the deepstack layers."""
         return hidden_size * (1 + self.deepstack_layers)
@@ -77,14 +90,15 @@ class VisionSpec:
                 "which the LLM adds after its first layers; without them it is another model. Got width "
                 f"{width}")
 
-    def info(self, hidden_size: int) -> VisionInfo:
+    def info(self, hidden_size: int, largest_image_rows: int) -> VisionInfo:
         """For ``/sgl_embeds/info``: what a client needs to send image spans."""
         return VisionInfo(
             mrope=True, model_type=self.model_type, served=self.family.served_as == NATIVE,
             merge_size=self.merge_size, image_token_id=self.image_token_id,
             video_token_id=self.video_token_id, vision_start_token_id=self.vision_start_token_id,
             vision_end_token_id=self.vision_end_token_id, deepstack_layers=self.deepstack_layers,
-            span_width=self.span_width(hidden_size), video_time=self.family.clip_time)
+            span_width=self.span_width(hidden_size), video_time=self.family.clip_time,
+            largest_image_rows=largest_image_rows)
 
 
 @dataclass(frozen=True)

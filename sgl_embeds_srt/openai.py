@@ -32,7 +32,7 @@ def completions_body(body: dict, spec: prompts.ModelSpec,
         raise ValueError("prompt must be empty (or a gateway routing hint) when input_embeds or "
                          "input_segments is given")
     without_prompt = {k: v for k, v in body.items() if k != "prompt"}
-    parsed, is_batch = parse.parse_prompts(without_prompt, parse.max_span_bytes(), store)
+    parsed, is_batch = parse.parse_prompts(without_prompt, spec.max_span_bytes, store)
     if is_batch:
         raise ValueError("/v1/completions takes one span prompt per request; "
                          "use /generate for batches")
@@ -58,7 +58,7 @@ def chat_body(body: dict, spec: prompts.ModelSpec,
               store: SpanStore | None = None) -> tuple[dict, PromptRows | None]:
     """A stock ``/v1/chat/completions`` body (``input_ids`` set) and the prompt's rows to attach."""
     out = {k: v for k, v in body.items() if k not in parse.REQUEST_SPAN_FIELDS}
-    reader = parse.SpanReader(parse.max_span_bytes(), store, parse.wants_held(body, store))
+    reader = parse.SpanReader(spec.max_span_bytes, store, parse.wants_held(body, store))
     if body.get("input_embeds") is not None:
         span = reader.read(body["input_embeds"])
         ids, prompt_rows = prompts.build_ids([span], spec)

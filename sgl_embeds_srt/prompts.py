@@ -45,6 +45,8 @@ class ModelSpec:
     # each image one bidirectional block (family.Family.image_block, or the split LLM's family
     # file where its checkpoint decides: family.split_sliding_blocks)
     image_block: bool = False
+    # the rows of the largest image the served VLM's processor makes (0: not said, or no VLM)
+    largest_image_rows: int = 0
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -56,12 +58,19 @@ class ModelSpec:
                    blocks_refused=blocks_refused(args, mc, vision), max_block=block_limit(args, mc),
                    image_text=split_image_text(args.model_path),
                    image_block=(family is not None and family.image_block)
-                   or split_sliding_blocks(args.model_path))
+                   or split_sliding_blocks(args.model_path),
+                   largest_image_rows=vision.largest_image_rows(getattr(tm, "processor", None)) if vision else 0)
 
     @property
     def span_width(self) -> int:
         """The width of a span's rows: the hidden size, with a Qwen3-VL's deepstack rows after it."""
         return self.hidden_size if self.vision is None else self.vision.span_width(self.hidden_size)
+
+    @property
+    def max_span_bytes(self) -> int:
+        """The budget of one request's spans (``parse.max_span_bytes``), sized to hold at least
+        one of the largest images the processor makes, at the span width, as float32."""
+        return max_span_bytes(self.largest_image_rows * self.span_width * 4)
 
     def check_width(self, rows: Any, where: str = "") -> None:
         """A span's shape against the model (``wire.WireError`` naming the width it wants)."""
@@ -248,7 +257,7 @@ def _rows_and_ids(s: Span, spec: ModelSpec, i: int) -> tuple[torch.Tensor, list[
 def to_generate_kwargs(body: dict, spec: ModelSpec, store: SpanStore | None = None) -> dict:
     """Replace the span fields of a ``/generate``-shaped body by ``input_ids`` and
     ``positional_embed_overrides``, ready for ``GenerateReqInput(**kwargs)``."""
-    prompts, is_batch = parse_prompts(body, max_span_bytes(), store)
+    prompts, is_batch = parse_prompts(body, spec.max_span_bytes, store)
     built = [build_ids(p, spec) for p in prompts]
     # text: a routing hint
     out = {k: v for k, v in body.items() if k not in REQUEST_SPAN_FIELDS and k != "text"}

@@ -173,13 +173,15 @@ VLM_FAULTS = {
     "pad as text": "outside a grid span",
     "span without a grid": "give the span its",
     "block": "attends its image rows as its own model does",
+    "width": "an image span of this model",  # and the width it takes: [n, hidden x (1 + deepstack layers)]
 }
 CLIP_TIME_FAULTS = {"clip without its time": "a clip on ", "bad seconds": "a finite number of seconds",
                     "bad timestamps": "one time in seconds"}
 COMMON_FAULTS = {
     "unknown handle": "unknown span handle",
     "id out of vocabulary": "outside the vocabulary",
-    "width": "rows of width",
+    "negative id": "must be a list of non-negative ints",
+    "width": "hidden size",
     "not finite": "NaN or Inf",
     "attention value": "attention must be",
 }
@@ -204,9 +206,10 @@ def _rows(draw, n: int, width: int) -> torch.Tensor:
 
 
 @st.composite
-def judged_prompts(draw, info: dict, handle: str) -> tuple[list[dict], Verdict]:
-    """A prompt built valid, or valid but for one fault, with its ``Verdict``; each prompt holds
-    a span. Units: text, ids, and spans (on a VLM framed by the vision tokens as text or ids)."""
+def judged_prompts(draw, info: dict, handle: str, fault: str | None) -> tuple[list[dict], Verdict]:
+    """A prompt built valid (``fault`` None), or valid but for ``fault`` (one of ``faults_of``),
+    with its ``Verdict``; each prompt holds a span. Units: text, ids, and spans (on a VLM framed
+    by the vision tokens as text or ids)."""
     vocab, vision, width = info["vocab_size"], info["vision"], info["span_width"]
     special = {vision[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                    "video_token_id")} if vision else set()
@@ -246,14 +249,12 @@ def judged_prompts(draw, info: dict, handle: str) -> tuple[list[dict], Verdict]:
     units = draw(st.lists(st.sampled_from(["text", "ids", "span"]), max_size=3))
     units.insert(draw(st.integers(0, len(units))), "span")
     built = [framed() if u == "span" else [text() if u == "text" else ids()] for u in units]
-    faults = faults_of(info)
-    if draw(st.integers(0, 2)) == 0:  # a third valid, the rest one fault each
+    if fault is None:
         return [s for unit in built for s in unit], VALID
-    fault = _spread(draw, sorted(faults))
     spans = [unit for unit in built if any(s["type"] == "embeds" for s in unit)]
     unit = spans[draw(st.integers(0, len(spans) - 1))]
     _break(draw, fault, unit, built, info)
-    return [s for unit in built for s in unit], Verdict(fault, faults[fault])
+    return [s for unit in built for s in unit], Verdict(fault, faults_of(info)[fault])
 
 
 def _break(draw, fault: str, unit: list[dict], built: list[list[dict]], info: dict) -> None:
@@ -293,13 +294,17 @@ def _break(draw, fault: str, unit: list[dict], built: list[list[dict]], info: di
     elif fault in ("clip without its time", "bad seconds", "bad timestamps"):
         t, h, w = span.get(grid_name)
         plain = {k: v for k, v in span.items() if k not in GRID_FIELDS}
-        time = {} if fault == "clip without its time" else _time_fields(draw, t, [vision["video_time"]], bad_values=True)
+        time = {}  # bad values JSON can carry (a NaN in JSON is a malformed body: fuzzed above)
+        if fault == "bad seconds":
+            time = {SECONDS_PER_STEP: draw(st.sampled_from([0.0, -1.0]))}
+        elif fault == "bad timestamps":
+            time = {TIMESTAMPS: draw(st.sampled_from([[0.5] * (t + 1), [0.5] * (t - 1), [-1.0] * t]))}
         unit[i] = {**plain, "embeds": _rows(draw, t * h * w // merge**2, width), VIDEO_GRID: [t, h, w], **time}
     elif fault == "unknown handle":
         unit[i] = {**span, "embeds": {"handle": UNKNOWN_HANDLE}}
-    elif fault == "id out of vocabulary":
-        built.insert(draw(st.integers(0, len(built))), [{"type": "input_ids", "input_ids": [
-            draw(st.sampled_from([info["vocab_size"], info["vocab_size"] + 7, -1]))]}])
+    elif fault in ("id out of vocabulary", "negative id"):
+        wrong = st.sampled_from([info["vocab_size"], info["vocab_size"] + 7] if fault == "id out of vocabulary" else [-1, -7])
+        built.insert(draw(st.integers(0, len(built))), [{"type": "input_ids", "input_ids": [draw(wrong)]}])
     elif fault == "width":
         unit[i] = {**span, "embeds": _rows(draw, n, draw(st.sampled_from([width + 1, width - 1])))}
     elif fault == "not finite":

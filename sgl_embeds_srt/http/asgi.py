@@ -59,10 +59,10 @@ def header(scope: dict, name: bytes) -> bytes | None:
     return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
 
 
-def parse_body(scope: dict, body: bytes, max_span_bytes: int) -> Any:
+def parse_body(scope: dict, body: bytes, max_span_bytes: int | None) -> Any:
     """The request a body holds: JSON as parsed (None if malformed), or a binary body's request
     with its spans as tensors (``wire.WireError`` if malformed: no stock route reads one, so its
-    400 is ours). ``max_span_bytes``: one span's limit, as float32."""
+    400 is ours). ``max_span_bytes``: a binary body's spans' limit, as float32."""
     if is_binary(scope):
         return binary_body.decode_body(body, max_span_bytes)
     return parse_json(body)

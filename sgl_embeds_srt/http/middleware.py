@@ -95,8 +95,11 @@ class SpanMiddleware:
             response = asgi.error_response(f"request body exceeds the limit of {limit} bytes", 413)
             return await response(scope, receive, send)
         replay = asgi.replay(body, receive)
+        # a binary body's spans are decoded here, within the served model's budget (a JSON
+        # body's by the route)
+        budget = asgi.server_spec().max_span_bytes if asgi.is_binary(scope) else None
         try:
-            payload = asgi.parse_body(scope, body, parse.max_span_bytes())
+            payload = asgi.parse_body(scope, body, budget)
         except ValueError as e:  # a malformed binary body
             return await asgi.error_response(str(e))(scope, replay, send)
         detect, handler = route

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import orjson
 
 from sgl_embeds_protocol import binary_body, family, keys, wire
-from sgl_embeds_srt import handles, parse, tenants, transport
+from sgl_embeds_srt import handles, tenants, transport
 from sgl_embeds_srt.http import asgi
 from sgl_embeds_protocol.info import ServerInfo
 
@@ -31,12 +31,12 @@ def info(store: handles.SpanStore) -> dict:
     return ServerInfo(
         hidden_size=spec.hidden_size, dtype=str(spec.dtype).removeprefix("torch."),
         vocab_size=spec.vocab_size, context_len=spec.context_len,
-        max_span_bytes=parse.max_span_bytes(), wire_dtypes=sorted(wire.DTYPES),
+        max_span_bytes=spec.max_span_bytes, wire_dtypes=sorted(wire.DTYPES),
         binary_body=binary_body.CONTENT_TYPE, key_scheme=keys.KEY_SCHEME,
         sglang_version=version("sglang"), sgl_embeds_version=version("sgl_embeds"),
         span_store=store.stats(), rows_to_scheduler=transport.stats(),
         http_worker_pid=os.getpid(),
-        vision=spec.vision.info(spec.hidden_size) if spec.vision is not None else None,
+        vision=spec.vision.info(spec.hidden_size, spec.largest_image_rows) if spec.vision is not None else None,
         span_width=spec.span_width,
         model=family.served_model(spec.model_path, spec.vision, spec.tokenizer),
     ).to_json()

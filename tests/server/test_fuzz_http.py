@@ -1,13 +1,16 @@
 """Hostile input over HTTP, never a 5xx: a 200 with a well-formed answer, or a 4xx with an error
 body, and a live server that answers a good request as HF does afterwards.
 
-Two fuzzers, on a server of every family served (``helpers.FAMILY_SERVERS``): random span fields
-(payloads well-formed or not) on /generate and the OpenAI routes; and random prompts: interleavings of text, ids (the vision start, end and pad ids
-included), spans with and without image and clip grids, spans by handle, and (off the natively
-served VLMs) spans attended as a block or given a bad ``attention``, sent as JSON or as a binary
-body on /generate, /v1/completions and /v1/chat/completions. The outcomes are counted: some
-prompts must be served (images and clips on the Qwen-VL families, blocks elsewhere) and some
-refused, and the grid, clip and attention checks must be reached.
+Three fuzzers, on a server of every family served (``helpers.FAMILY_SERVERS``): random span
+fields (payloads well-formed or not) on /generate and the OpenAI routes; random prompts:
+interleavings of text, ids (the vision start, end and pad ids included), spans with and without
+image and clip grids, spans by handle, and (off the natively served VLMs) spans attended as a
+block or given a bad ``attention``, sent as JSON or as a binary body on /generate,
+/v1/completions and /v1/chat/completions, their outcomes counted (some served, some refused, the
+grid, clip and attention checks reached); and judged prompts, each built valid or with one named
+fault (``strategies.judged_prompts``), whose outcome is known before it is sent: every valid one
+served (on the plain Llama, HF's token and logprob), every faulty one a 400 naming its fault,
+each of the family's faults in every example.
 
 CI runs a fixed, derandomized set of examples; ``SGL_EMBEDS_FUZZ_EXAMPLES=N`` runs N random ones
 per fuzzer and server and prints the counts (``scripts/fuzz_long.sh``)."""
@@ -45,7 +48,8 @@ from strategies import HELD_ROWS, faults_of, judged_prompts, payloads, prompts
 
 pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
 LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
-PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 100, 60)
+PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 100, 3)
+VALID_PER_EXAMPLE = 4  # and one prompt with each fault of the family
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ONE_TOKEN = {"max_new_tokens": 1}
@@ -222,27 +226,31 @@ def _assert_hf_answers(server, segments: list[dict], held: torch.Tensor, answer:
 def test_prompts_built_valid_are_served_and_built_faulty_are_refused_naming_the_fault(served, server_name, data):
     """Each prompt has its verdict before it is sent (``strategies.judged_prompts``): one built
     valid must be served (200, on the plain Llama HF's token and logprob), one built with a single
-    fault must be a 400 whose message names that fault."""
+    fault must be a 400 whose message names that fault. Each example builds ``VALID_PER_EXAMPLE``
+    valid prompts and one with each of the family's faults."""
     server, info, handle = served
     held = helpers.seeded_rows(5, HELD_ROWS, info["span_width"])
     up = requests.post(server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(held)}, timeout=60)
     assert up.status_code == 200 and up.json()["handle"] == handle, up.text  # held again, should it have gone
-    segments, verdict = data.draw(judged_prompts(info, handle), "prompt")
-    route = data.draw(st.sampled_from(JUDGED_ROUTES), "route")
-    binary = data.draw(st.booleans(), "binary")
-    body = PROMPT_ROUTES[route](segments)
-    check_hf = verdict.refusal is None and route == "/generate" and server_name in HF_CHECKED
-    r = _post(server, route, {**body, **helpers.OUTPUT_LOGPROBS} if check_hf else body, binary)
-    if verdict.refusal is None:
-        assert r.status_code == 200, (route, binary, segments, r.text[:500])
-        _assert_well_formed(route, r.json(), info["vocab_size"])
+    for fault in [None] * VALID_PER_EXAMPLE + sorted(faults_of(info)):
+        segments, verdict = data.draw(judged_prompts(info, handle, fault), f"prompt ({fault or 'valid'})")
+        route = data.draw(st.sampled_from(JUDGED_ROUTES), "route")
+        binary = data.draw(st.booleans(), "binary")
+        body = PROMPT_ROUTES[route](segments)
+        check_hf = verdict.refusal is None and route == "/generate" and server_name in HF_CHECKED
         if check_hf:
-            _assert_hf_answers(server, segments, held, r.json())
-        VERDICTS[server_name].update(["served", *(["served, HF's answer"] if check_hf else [])])
-    else:
-        message = _assert_an_error_body(r, (route, binary, verdict, segments))
-        assert r.status_code == 400 and verdict.refusal in message, (verdict, route, binary, message, segments)
-        VERDICTS[server_name].update(["refused", f"refused: {verdict.fault}"])
+            body = {**body, **helpers.OUTPUT_LOGPROBS, "sampling_params": {**ONE_TOKEN, **helpers.GREEDY}}
+        r = _post(server, route, body, binary)
+        if verdict.refusal is None:
+            assert r.status_code == 200, (route, binary, segments, r.text[:500])
+            _assert_well_formed(route, r.json(), info["vocab_size"])
+            if check_hf:
+                _assert_hf_answers(server, segments, held, r.json())
+            VERDICTS[server_name].update(["served", *(["served, HF's answer"] if check_hf else [])])
+        else:
+            message = _assert_an_error_body(r, (route, binary, verdict, segments))
+            assert r.status_code == 400 and verdict.refusal in message, (verdict, route, binary, message, segments)
+            VERDICTS[server_name].update(["refused", f"refused: {verdict.fault}"])
 
 
 # The checkpoints of the natively served VLMs' servers (theirs with NaN vision towers)
@@ -336,13 +344,13 @@ def test_the_server_still_serves_after_the_fuzzing(servers, server_name, llava_d
     missed = [any_of for any_of in REACHED.get(server_name, REACHED_1D) if not set(any_of) & set(outcomes)]
     assert not missed, f"no fuzzed prompt reached any of {missed}: {outcomes}"
     verdicts = VERDICTS[server_name]
-    judged = f"judged {server_name}: {JUDGED_EXAMPLES} prompts: {dict(sorted(verdicts.items()))}"
+    faults = faults_of(requests.get(server.url + "/sgl_embeds/info", timeout=30).json())
+    judged = f"judged {server_name}: {JUDGED_EXAMPLES} x ({VALID_PER_EXAMPLE} valid + {len(faults)} faults): "
+    judged += str(dict(sorted(verdicts.items())))
     print(judged)
     request.config.stash.setdefault(helpers.SUMMARY_LINES, []).append(judged)
-    assert verdicts["served"] + verdicts["refused"] == JUDGED_EXAMPLES, verdicts  # each as judged
-    assert verdicts["served"] >= JUDGED_EXAMPLES // 5, verdicts
-    info = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()
-    unseen = [fault for fault in faults_of(info) if not verdicts[f"refused: {fault}"]]
-    assert not unseen, f"no prompt was built with {unseen}: {verdicts}"
+    # each prompt as judged: the valid ones served, each fault refused naming it
+    assert verdicts["served"] == JUDGED_EXAMPLES * VALID_PER_EXAMPLE, verdicts
+    assert all(verdicts[f"refused: {fault}"] == JUDGED_EXAMPLES for fault in faults), verdicts
     assert server.alive() and requests.get(server.url + "/health", timeout=10).status_code == 200
     _answers_like_hf(server_name, server, llava_dirs)

@@ -153,7 +153,7 @@ def _recording_handler(monkeypatch, path: str = "/generate") -> list:
         calls.append(body)
         return asgi.error_response("handled", 400)
 
-    monkeypatch.setattr(asgi, "server_spec", lambda: SimpleNamespace(vocab_size=100, hidden_size=8))
+    monkeypatch.setattr(asgi, "server_spec", lambda: SimpleNamespace(vocab_size=100, hidden_size=8, max_span_bytes=wire.MAX_SPAN_BYTES))
     monkeypatch.setitem(middleware.ROUTES, path, (parse.has_span_fields, handler))
     return calls
 

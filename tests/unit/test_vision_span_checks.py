@@ -160,3 +160,59 @@ def test_the_cache_identity_names_the_rows_the_grid_the_time_and_the_frame():
                  identity("span-a", Grid((2, 2, 4), video=True, timestamps=(0.0, 2.0)), run=1)]
     assert len(set(different)) == len(different) and all(len(i) == 32 for i in different)
     assert identity("span-a", clip_a) == identity("span-a", Grid((2, 2, 4), video=True, second_per_grid_t=1.0))
+
+
+# -- the span budget sized from the served model (issue #47 item 4) ----------------------------
+
+
+def published_processor(model_type: str):
+    """The image processor of the family's published checkpoints, as their
+    preprocessor_config.json says it (Qwen2.5-VL: patch 14 and ``max_pixels``; Qwen3-VL: patch 16
+    and ``size.longest_edge``, as transformers 5 writes both)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLImageProcessor
+
+    if model_type == "qwen3_vl":
+        image = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 65536, "longest_edge": 16777216})
+    else:
+        image = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=3136, max_pixels=12845056)
+    return SimpleNamespace(image_processor=image)
+
+
+@pytest.mark.parametrize("model_type, hidden, deepstack, width", [
+    ("qwen3_vl", 2048, 3, 2048 * 4),  # Qwen3-VL-2B: a span [n, 2048 x (1 + 3)]
+    ("qwen2_5_vl", 2048, 0, 2048),  # Qwen2.5-VL-3B
+])
+def test_the_span_budget_holds_the_largest_image_the_processor_makes(monkeypatch, model_type, hidden, deepstack, width):
+    """16384 rows for the largest image of either family's processor: at Qwen3-VL-2B's width that
+    is 512 MiB as float32, over the 256 MiB default, so the budget grows to it, and such a span
+    is read; SGL_EMBEDS_MAX_BYTES still sets it, and a refusal names that setting."""
+    monkeypatch.delenv(wire.BUDGET_VAR, raising=False)
+    vision = VisionSpec(model_type, IMAGE, VIDEO, START, END, 2, None, deepstack)
+    rows = vision.largest_image_rows(published_processor(model_type))
+    assert rows == 16384
+    served = ModelSpec(hidden_size=hidden, dtype=torch.bfloat16, vocab_size=600, context_len=32768,
+                       tokenizer=None, vision=vision, largest_image_rows=rows)
+    largest = rows * width * 4
+    assert served.max_span_bytes == max(wire.MAX_SPAN_BYTES, largest)
+    shape = [rows, width]
+    wire.declared_size("bfloat16", shape, served.max_span_bytes)  # read, not refused
+    if largest > wire.MAX_SPAN_BYTES:
+        with pytest.raises(wire.WireError, match=wire.BUDGET_VAR):
+            wire.declared_size("bfloat16", shape, wire.MAX_SPAN_BYTES)
+    monkeypatch.setenv(wire.BUDGET_VAR, str(1 << 20))
+    assert served.max_span_bytes == 1 << 20
+    with pytest.raises(wire.WireError, match=f"exceed the size limit of {1 << 20} bytes .*{wire.BUDGET_VAR}"):
+        wire.declared_size("bfloat16", shape, served.max_span_bytes)
+
+
+def test_a_processor_that_does_not_say_leaves_the_default_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.delenv(wire.BUDGET_VAR, raising=False)
+    vision = VisionSpec("qwen2_vl", IMAGE, VIDEO, START, END, 2, None, 0)
+    assert vision.largest_image_rows(None) == vision.largest_image_rows(SimpleNamespace(image_processor=None)) == 0
+    assert spec(0).max_span_bytes == wire.MAX_SPAN_BYTES

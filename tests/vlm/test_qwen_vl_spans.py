@@ -182,6 +182,9 @@ def test_a_program_and_run_send_image_spans(qwen_vl_spans_server, qwen_vl_dir):
     rows, grid = image_rows(qwen_vl_dir, image)
     backend = EmbedsEndpoint(qwen_vl_spans_server.url)
     assert backend.server_info.vision.merge_size == 2
+    # the largest image the checkpoint's processor makes (HF's resize of a huge image), which the
+    # span budget is sized to hold
+    assert backend.server_info.vision.largest_image_rows == load_encoder(qwen_vl_dir).rows_for(4096, 4096) == 16
 
     @sgl.function
     def ask_image(s, rows, grid):
