@@ -231,14 +231,26 @@ def test_fused_norms_equal_hf_rmsnorm_and_gate_split():
     torch.testing.assert_close(x, want, **TOL)
 
 
-def test_qkvzba_split_follows_the_checkpoint_layout():
-    tokens, hk, hv, dk, dv = 3, 2, 4, 8, 12
-    qkvz = torch.randn(tokens, 2 * hk * dk + 2 * hv * dv)
-    ba = torch.randn(tokens, 2 * hv)
-    qkv, z, b, a = fused.fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, hk, hv, dk, dv)
-    q, k, v, zz = qkvz.split([hk * dk, hk * dk, hv * dv, hv * dv], dim=-1)  # HF: in_proj_qkv, in_proj_z
-    assert torch.equal(qkv, torch.cat([q, k, v], -1)) and torch.equal(z, zz.reshape(tokens, hv, dv))
-    assert torch.equal(b, ba[:, :hv]) and torch.equal(a, ba[:, hv:])
+def test_qkvzba_split_gives_hf_layers_projections():
+    """SGLang packs a checkpoint's ``in_proj_qkv`` / ``in_proj_z`` and ``in_proj_b`` /
+    ``in_proj_a`` into one projection each, in the order of its own ``packed_modules_mapping``;
+    our split of the packed outputs gives what HF's ``Qwen3_5GatedDeltaNet`` projects with each."""
+    from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    config = Qwen3_5TextConfig(hidden_size=16, num_hidden_layers=1, layer_types=["linear_attention"],
+                               linear_num_key_heads=K_HEADS, linear_num_value_heads=V_HEADS,
+                               linear_key_head_dim=K_DIM, linear_value_head_dim=V_DIM)
+    layer = hf.Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    packing = Qwen3_5ForCausalLM.packed_modules_mapping
+    with torch.no_grad():
+        qkvz, ba = (x @ torch.cat([getattr(layer, name).weight for name in packing[packed]]).T
+                    for packed in ("in_proj_qkvz", "in_proj_ba"))
+        qkv, z, b, a = fused.fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, K_HEADS, V_HEADS, K_DIM, V_DIM)
+        torch.testing.assert_close(qkv, layer.in_proj_qkv(x), **TOL)
+        torch.testing.assert_close(z, layer.in_proj_z(x).reshape(5, V_HEADS, V_DIM), **TOL)
+        torch.testing.assert_close(b, layer.in_proj_b(x), **TOL)
+        torch.testing.assert_close(a, layer.in_proj_a(x), **TOL)
 
 
 def test_gated_rmsnorm_hook_equals_hf_norm():
