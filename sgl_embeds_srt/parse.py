@@ -25,7 +25,7 @@ MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 SPAN_TYPE = "embeds"  # a span segment's type, and the field holding its tensor
 
 
-def max_span_bytes(largest_image_bytes: int = 0) -> int:
+def max_span_bytes(largest_image_bytes: int) -> int:
     """Decoded float32 bytes allowed in one request's spans: ``SGL_EMBEDS_MAX_BYTES`` where set;
     else ``wire.MAX_SPAN_BYTES``, or the served model's largest image (``ModelSpec.
     largest_image_bytes``) where that is more, so that any image its processor makes is served."""

@@ -68,6 +68,12 @@ def _time_fields(draw, t: int, names: list[str], bad_values: bool) -> dict:
     return fields
 
 
+def _rows(draw, n: int, width: int) -> torch.Tensor:
+    """``n`` random rows of ``width`` at the tiny models' scale, in a drawn wire dtype."""
+    seed = draw(st.integers(0, 2**16))
+    return (torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * 0.05).to(draw(st.sampled_from(DTYPES)))
+
+
 @st.composite
 def grid_spans(draw, info: dict) -> dict:
     """A span segment (rows a tensor) with an image grid, a clip grid (with its time fields) or
@@ -94,8 +100,7 @@ def grid_spans(draw, info: dict) -> dict:
     width = info["span_width"]
     if fault == "width":
         width = draw(st.sampled_from([width + 1, info["hidden_size"] if info["hidden_size"] != width else width - 1]))
-    rows = torch.randn(n, width, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16)))) * 0.05
-    return {"type": "embeds", "embeds": rows.to(draw(st.sampled_from(DTYPES))), **fields}
+    return {"type": "embeds", "embeds": _rows(draw, n, width), **fields}
 
 
 # a span's attention: often bidirectional (a served block needs the prompt's other spans served
@@ -193,16 +198,11 @@ def faults_of(info: dict) -> dict[str, str]:
     vision = info["vision"]
     if vision is None:
         return {**COMMON_FAULTS, **FLAT_FAULTS}
-    clip_time = {} if vision["video_time"] is None else {
-        "clip without its time": CLIP_TIME_FAULTS["clip without its time"],
-        "bad seconds" if vision["video_time"] == SECONDS_PER_STEP else "bad timestamps":
-            CLIP_TIME_FAULTS["bad seconds" if vision["video_time"] == SECONDS_PER_STEP else "bad timestamps"]}
-    return {**COMMON_FAULTS, **VLM_FAULTS, **clip_time}
-
-
-def _rows(draw, n: int, width: int) -> torch.Tensor:
-    seed = draw(st.integers(0, 2**16))
-    return (torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * 0.05).to(draw(st.sampled_from(DTYPES)))
+    clip_time = {}
+    if vision["video_time"] is not None:
+        bad_time = "bad seconds" if vision["video_time"] == SECONDS_PER_STEP else "bad timestamps"
+        clip_time = {fault: CLIP_TIME_FAULTS[fault] for fault in ("clip without its time", bad_time)}
+    return {**COMMON_FAULTS, **VLM_FAULTS, **clip_time}  # VLM_FAULTS' "width" phrase replaces COMMON_FAULTS'
 
 
 @st.composite

@@ -97,9 +97,9 @@ class SpanMiddleware:
         replay = asgi.replay(body, receive)
         # a binary body's spans are decoded here, within the served model's budget (a JSON
         # body's by the route)
-        budget = asgi.server_spec().max_span_bytes if asgi.is_binary(scope) else None
+        spec = asgi.server_spec() if asgi.is_binary(scope) else None
         try:
-            payload = asgi.parse_body(scope, body, budget)
+            payload = asgi.parse_body(scope, body, spec.max_span_bytes if spec else None)
         except ValueError as e:  # a malformed binary body
             return await asgi.error_response(str(e))(scope, replay, send)
         detect, handler = route
@@ -118,7 +118,7 @@ class SpanMiddleware:
                                                           receive, send)
             return await self.app(scope, replay, send)
         try:
-            ctx = RouteContext(asgi.server_spec(), self.store)
+            ctx = RouteContext(spec or asgi.server_spec(), self.store)
             response = await handler(payload, Request(scope, replay), ctx)
         except handles.UnknownSpanHandle as e:  # machine-readable: the client resends the rows
             response = asgi.error_response(str(e), kind=UNKNOWN_HANDLE_TYPE, param=e.handle)

@@ -141,10 +141,15 @@ def served(servers, server_name):
     """(the server, its /sgl_embeds/info, the handle of a span of ``HELD_ROWS`` rows it holds)."""
     server = servers.get(server_name)[0]
     info = requests.get(server.url + "/sgl_embeds/info", timeout=30).json()
+    return server, info, _hold(server, info)[1]
+
+
+def _hold(server, info: dict) -> tuple[torch.Tensor, str]:
+    """The rows of the span the fuzzed server holds, uploaded (again), and its handle."""
     rows = helpers.seeded_rows(5, HELD_ROWS, info["span_width"])
     up = requests.post(server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(rows)}, timeout=60)
     assert up.status_code == 200, up.text
-    return server, info, up.json()["handle"]
+    return rows, up.json()["handle"]
 
 
 def _kinds(segments: list[dict]) -> set[str]:
@@ -229,9 +234,8 @@ def test_prompts_built_valid_are_served_and_built_faulty_are_refused_naming_the_
     fault must be a 400 whose message names that fault. Each example builds ``VALID_PER_EXAMPLE``
     valid prompts and one with each of the family's faults."""
     server, info, handle = served
-    held = helpers.seeded_rows(5, HELD_ROWS, info["span_width"])
-    up = requests.post(server.url + "/sgl_embeds/spans", json={"embeds": wire.encode_tensor(held)}, timeout=60)
-    assert up.status_code == 200 and up.json()["handle"] == handle, up.text  # held again, should it have gone
+    held, again = _hold(server, info)  # held again, should it have gone
+    assert again == handle
     for fault in [None] * VALID_PER_EXAMPLE + sorted(faults_of(info)):
         segments, verdict = data.draw(judged_prompts(info, handle, fault), f"prompt ({fault or 'valid'})")
         route = data.draw(st.sampled_from(JUDGED_ROUTES), "route")
