@@ -172,6 +172,8 @@ RELIED_ON: dict[str, Guard] = {
     f"{_HTTP}.serve_generate_request": server("tokenizer_manager.generate_request", fp="ff5196620cd3f804"),
     f"{_HTTP}.get_model_info": server(fp="6627f793a9926ca2"),  # its answer carries ours (deprecated upstream)
     f"{_HTTP}._global_state": server(),
+    # the span budget reads the checkpoint's processor that SGLang loaded (ModelSpec.largest_image_rows)
+    f"{_TM}.init_tokenizer_and_processor": server("self.processor = _processor", fp="8a9a8aa61c48619a"),
     # -- bidirectional blocks: a scheduler reads the served model's path (blocks.served_prefix_lm),
     #    and a layer's soft-capping method and sliding window (block_attention)
     "sglang.srt.runtime_context.get_server_args": server("_CONTEXT.server_args", fp="77acc44f31f26ac7"),
