@@ -45,9 +45,10 @@ from sgl_embeds_testing.qwen_vl import (
 from sgl_embeds_testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds_testing.server import Gateway, Server, ServerPool, free_port
 
-# Each server holds ~2 GB (its three processes) and a test may start more of its own: four pooled
-# servers leave room for those in 24 GB and keep restarts rare in file order
-MAX_RUNNING = 4
+# Each server holds ~2 GB (its three processes; a tiny Llama's: 1.96 GB by `free`) and a test may
+# start more of its own, inside this cap (``ServerPool.make_room``). Six: the run peaked at 19.4 GB
+# of 24 GB used and launched 29 times (35 with four: each launch is ~30 s of CPU on two cores)
+MAX_RUNNING = 6
 POOL_KEY = pytest.StashKey[ServerPool]()
 # the pool's Llama server and a second one like it: one launch fewer than two of the gateway's own
 # (the gateway tests measure each worker's counts as differences, so what the first one served

@@ -1,6 +1,7 @@
 """Runs span prompts through an in-process ``sglang.Engine`` and prints the results as JSON:
-``engine_probe.py MODEL`` (text spans) or ``engine_probe.py QWEN_VL_MODEL ROWS_MODEL PROMPT``
-(image spans with grids; PROMPT holds one ``IMAGE_PLACEHOLDER``).
+``engine_probe.py MODEL`` (text spans) or ``engine_probe.py QWEN_VL_MODEL ROWS_MODEL PROMPT
+[QWEN_VL_MODEL ROWS_MODEL PROMPT ...]`` (image spans with grids on one engine after another, each
+result under its ROWS_MODEL's family; PROMPT holds one ``IMAGE_PLACEHOLDER``).
 
 A separate process on purpose: ``Engine.shutdown()`` kills every child process of its caller,
 which inside pytest would include the shared test servers. ``test_engine_inprocess.py`` runs
@@ -55,16 +56,20 @@ def main(model_dir: str) -> dict:
     return out
 
 
+def _family(model_dir: str) -> str:
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+
+
 # the clip main_qwen_vl sends, by family: sample_clip(frames, width, height, seed=...) at fps
 # (the sizes and seeds of qwen_vl_harness.CLIP_FAMILIES); at 4 fps a step is 0.5 s, not the 1 s
 # SGLang assumes without the field (so dropping it changes the answer)
 CLIPS = {"qwen2_5_vl": (4, 224, 56, 1, 4.0), "qwen3_vl": (4, 128, 64, 1, 4.0), "qwen2_vl": (4, 224, 56, 7, 4.0)}
 
 
-def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
-    """Image spans and a clip's (rows with their grid, as tensors) on a Qwen-VL engine over
-    ``model_dir``; the rows come from HF's vision module on ``rows_dir``'s weights (the clip:
-    the family's ``CLIPS`` of ``sample_clip``)."""
+def main_qwen_vl(model_dir: str, rows_dir: str, prompt: str) -> dict:
+    """Image spans and a clip's (rows with their grid, as tensors) in ``prompt`` on a Qwen-VL
+    engine over ``model_dir``; the rows come from HF's vision module on ``rows_dir``'s weights
+    (the clip: the family's ``CLIPS`` of ``sample_clip``)."""
     from sgl_embeds_testing.qwen_vl import (  # HF's model: only this probe needs it
         IMAGE_PLACEHOLDER, VISION_END, VISION_START, clip_rows, image_rows, sample_clip, sample_images)
 
@@ -73,10 +78,10 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
     out: dict = {}
     try:
         sp = {"temperature": 0, "max_new_tokens": 10}
-        before, after = sys.argv[3].split(IMAGE_PLACEHOLDER)
+        before, after = prompt.split(IMAGE_PLACEHOLDER)
         spans = {name: image_rows(rows_dir, sample_images()[name]) for name in ("stripes", "disc")}
         spans = {name: (rows, {"image_grid_thw": list(grid)}) for name, (rows, grid) in spans.items()}
-        frames, width, height, seed, fps = CLIPS[json.loads((Path(rows_dir) / "config.json").read_text())["model_type"]]
+        frames, width, height, seed, fps = CLIPS[_family(rows_dir)]
         spans["clip"] = clip_rows(rows_dir, sample_clip(frames, width, height, seed=seed), fps)
         for name, (rows, grid) in spans.items():
             segments = [{"type": "text", "text": before + VISION_START}, {"type": "embeds", "embeds": rows, **grid},
@@ -100,4 +105,9 @@ def main_qwen_vl(model_dir: str, rows_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main_qwen_vl(*sys.argv[1:3]) if len(sys.argv) > 2 else main(sys.argv[1])))
+    if len(sys.argv) > 2:  # one process for every family asked: SGLang and HF imported once
+        triples = [sys.argv[i:i + 3] for i in range(1, len(sys.argv), 3)]
+        print(json.dumps({_family(rows_dir): main_qwen_vl(model_dir, rows_dir, prompt)
+                          for model_dir, rows_dir, prompt in triples}))
+    else:
+        print(json.dumps(main(sys.argv[1])))

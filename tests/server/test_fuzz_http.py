@@ -48,7 +48,7 @@ from strategies import HELD_ROWS, faults_of, judged_prompts, payloads, prompts
 
 pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
 LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
-PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 100, 3)
+PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 50, 3)
 VALID_PER_EXAMPLE = 4  # and one prompt with each fault of the family
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

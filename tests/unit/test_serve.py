@@ -86,17 +86,32 @@ def test_a_text_llm_is_served_as_it_is(split_cache):
     assert "--enable-multimodal" not in launch.args
 
 
-@pytest.mark.parametrize("model_type, why", [("mllama", ""), ("qwen3_vl_moe", "3 deepstack layers")])
-def test_an_unknown_or_refused_family_is_one_line_naming_the_served(tmp_path, model_type, why):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type,
-                                                      "architectures": ["XForConditionalGeneration"]}))
-    done = subprocess.run([sys.executable, "-m", "sgl_embeds", "serve", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+def _unserved_checkpoint(folder: Path, model_type: str) -> Path:
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type,
+                                                    "architectures": ["XForConditionalGeneration"]}))
+    return folder
+
+
+def _assert_one_line_naming_the_served(returncode: int, stdout: str, stderr: str, model_type: str, why: str) -> None:
+    assert returncode == 2
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and f"model_type {model_type!r}" in error[0] and why in error[0]
     assert "LLaVA-1.5" in error[0] and "Qwen2.5-VL" in error[0] and "text LLMs" in error[0]
-    assert "sglang.launch_server" not in done.stdout
+    assert "sglang.launch_server" not in stdout
+
+
+@pytest.mark.parametrize("model_type, why", [("mllama", ""), ("qwen3_vl_moe", "3 deepstack layers")])
+def test_an_unknown_or_refused_family_is_one_line_naming_the_served(tmp_path, model_type, why, capsys):
+    returncode = serve.main([str(_unserved_checkpoint(tmp_path, model_type))])
+    _assert_one_line_naming_the_served(returncode, *capsys.readouterr(), model_type, why)
+
+
+def test_the_command_refuses_an_unknown_family_in_one_line(tmp_path):
+    """The same refusal from ``python -m sgl_embeds serve``, as a user sees it (a process: ~5 s of
+    imports, so once)."""
+    done = subprocess.run([sys.executable, "-m", "sgl_embeds", "serve", str(_unserved_checkpoint(tmp_path, "mllama"))],
+                          capture_output=True, text=True, timeout=120)
+    _assert_one_line_naming_the_served(done.returncode, done.stdout, done.stderr, "mllama", "")
 
 
 # Every family's tiny checkpoint -> (the family serve names, served natively)

@@ -262,20 +262,31 @@ def test_a_chat_that_writes_the_image_token_itself_is_a_400(qwen_vl_spans_server
 ENGINE_FAMILIES = {"qwen2_5_vl": tiny_qwen2_5_vl_dir, "qwen3_vl": tiny_qwen3_vl_dir, "qwen2_vl": tiny_qwen2_vl_dir}
 
 
-@pytest.mark.parametrize("family", ENGINE_FAMILIES)
-def test_the_engine_serves_image_spans_as_tensors(family, servers):
-    """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor
-    (two images, a clip), on an engine of each Qwen-VL family whose vision weights are NaN (a
-    child process: ``tests/engine_probe.py``): HF's tokens and logprobs, a repeat cached, a bad
-    grid a ``ValueError``."""
-    checkpoint = ENGINE_FAMILIES[family]()
+def _engine_text(checkpoint) -> str:
+    return chat_text(checkpoint, "what is the color of the object", 1)
+
+
+@pytest.fixture(scope="module")
+def engine_probes(servers) -> dict:
+    """``tests/engine_probe.py``'s results on an engine of each Qwen-VL family whose vision
+    weights are NaN, by family: one child process runs the engines one after another."""
     servers.make_room(1)  # the child's engine
-    text = chat_text(checkpoint, "what is the color of the object", 1)
     script = Path(__file__).parents[1] / "engine_probe.py"
-    done = subprocess.run([sys.executable, str(script), str(poisoned_vision_dir(checkpoint)), str(checkpoint), text],
-                          capture_output=True, text=True, timeout=600)
+    triples = [str(arg) for make in ENGINE_FAMILIES.values()
+               for arg in (poisoned_vision_dir(make()), make(), _engine_text(make()))]
+    done = subprocess.run([sys.executable, str(script), *triples], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_the_engine_serves_image_spans_as_tensors(family, engine_probes):
+    """``sglang.Engine.generate(input_segments=...)`` with a grid span given as a torch tensor
+    (two images, a clip), on an engine of each Qwen-VL family whose vision weights are NaN:
+    HF's tokens and logprobs, a repeat cached, a bad grid a ``ValueError``."""
+    checkpoint = ENGINE_FAMILIES[family]()
+    text = _engine_text(checkpoint)
+    probe = engine_probes[family]
     frames, width, height, seed, fps = engine_probe.CLIPS[family]
     clip = (sample_clip(frames, width, height, seed=seed), fps)
     for name in ("stripes", "disc", "clip"):
