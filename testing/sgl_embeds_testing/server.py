@@ -28,6 +28,7 @@ import sglang as sgl
 from sgl_embeds.serve import CPU_ENV, CPU_KV_TOKENS, cpu_launch_args, on_cpu  # noqa: F401 (re-exported)
 
 READY_TIMEOUT_S = 240.0
+DRAIN_S = 30.0  # how long a stopping server may drain before it is killed
 
 
 def cpu_env(threads: int | None = None) -> dict[str, str]:
@@ -131,12 +132,14 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"server exited with code {self.proc.returncode} during startup\n{self.log_tail()}")
+            # the log's line, then any answer over HTTP (a keyed server's is a 401): SGLang's
+            # /health answers after a 1 s probe of the scheduler, a second per poll
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200 and self._fired_up():
+                if self._fired_up() and requests.get(self.url + "/model_info", timeout=2).status_code < 500:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.25)
         raise ServerStartError(f"server not ready after {timeout:.0f} s\n{self.log_tail()}")
 
     def _fired_up(self) -> bool:
@@ -163,9 +166,9 @@ class Server:
         self.proc.send_signal(signal.SIGTERM)
         return True
 
-    def _wait_stopped(self) -> None:
+    def _wait_stopped(self, timeout: float = DRAIN_S) -> None:
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
@@ -219,7 +222,9 @@ class ServerPool:
     stopping idle ones (that no part of the current test asked for: ``begin_test`` starts a
     test) to make room. ``prefetch`` launches a server a later test will ask for without waiting for
     it, so its startup (mostly one core importing SGLang) overlaps the tests before that one; its
-    ``get`` then only waits for it. A stopped server keeps its object and port and restarts in
+    ``get`` then only waits for it. A server stopped to make room is not waited for (SGLang drains
+    for ~6 s, idle): it stops beside what runs next and is reaped later, at the latest before it
+    starts again. A stopped server keeps its object and port and restarts in
     place when asked for again, so URLs handed out earlier stay good. A server that failed to
     start fails every later ``get`` at once, rather than spending another start timeout per test.
     ``makers`` builds each named ``Server`` (unstarted) when it is first asked for."""
@@ -231,6 +236,7 @@ class ServerPool:
         self.running: dict[str, Server] = {}  # least recently used first
         self.launched: dict[str, Server] = {}  # prefetched: started, not yet known to be ready
         self.failed: dict[str, BaseException] = {}
+        self.stopping: dict[str, float] = {}  # asked to stop (SIGTERM), not yet reaped: since when
         self.in_use: set[str] = set()  # asked for by the current test: never stopped to make room
         # per name: how often it was launched, and how long tests waited in ``get`` for it to be
         # ready (a prefetched start that finished in time costs no wait): ``start_report``
@@ -248,11 +254,32 @@ class ServerPool:
 
     def begin_test(self) -> None:
         self.in_use = set()
+        self._reap()
 
     def _server(self, name: str) -> Server:
+        """The named server, about to be launched: still stopping from an earlier stop, it is
+        waited for first (its port)."""
         if name not in self.made:
             self.made[name] = self.makers[name]()
+        if self.stopping.pop(name, None) is not None:
+            self.made[name]._wait_stopped()
         return self.made[name]
+
+    def _retire(self, names: list[str]) -> None:
+        """Stop these running servers without waiting for them (``_reap``)."""
+        for name in names:
+            server = self.running.pop(name)
+            if server._ask_to_stop():
+                self.stopping[name] = time.monotonic()
+
+    def _reap(self, wait: bool = False) -> None:
+        """Finish the stops that are done (all, with ``wait``; one draining past
+        ``DRAIN_S`` is killed, as ``Server.stop`` would)."""
+        for name, since in list(self.stopping.items()):
+            overdue = time.monotonic() - since > DRAIN_S
+            if wait or overdue or not self.made[name].alive():
+                del self.stopping[name]
+                self.made[name]._wait_stopped(timeout=0 if overdue else DRAIN_S)
 
     def get(self, *names: str) -> list[Server]:
         self.in_use.update(names)
@@ -293,7 +320,7 @@ class ServerPool:
             excess = len(self.running) + len(self.launched) + 1 - self.max_running
             if excess > len(idle):
                 return False
-            stop_all([self.running.pop(n) for n in idle[:max(excess, 0)]])
+            self._retire(idle[:max(excess, 0)])
         try:
             self.launched[name] = self._server(name).launch()
             self.starts[name] = self.starts.get(name, 0) + 1
@@ -309,7 +336,7 @@ class ServerPool:
             return
         idle = self._stop_order([name for name in self.running if name not in self.in_use])
         excess = len(self.running) + len(self.launched) + count - self.max_running
-        stop_all([self.running.pop(name) for name in idle[:max(excess, 0)]])
+        self._retire(idle[:max(excess, 0)])
 
     def start_report(self) -> list[str]:
         """One line per server started: its launches and the seconds tests waited for it."""
@@ -320,6 +347,7 @@ class ServerPool:
 
     def stop(self) -> None:
         stop_all([*self.running.values(), *self.launched.values()])
+        self._reap(wait=True)
         self.running.clear()
         self.launched.clear()
 
@@ -355,9 +383,12 @@ class Gateway:
         fd, name = tempfile.mkstemp(prefix=f"smg-{self.port}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
-        # its metrics server would bind 0.0.0.0:29000 by default: loopback, on a free port
+        # its metrics server would bind 0.0.0.0:29000 by default: loopback, on a free port. No
+        # grace period at shutdown: it is stopped after its tests, nothing in flight, and would
+        # otherwise take 5 s to stop
         cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+               "--shutdown-grace-period-secs", "0",
                "--worker-urls", *self.worker_urls, *self.args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,5 +1,6 @@
-"""The test servers' pool: each server starts once, those asked for together start together, and
-all are asked to stop before any is waited for (no processes: the servers here only record)."""
+"""The test servers' pool: each server starts once, those asked for together start together, all
+are asked to stop before any is waited for, and one stopped to make room is not waited for until
+it is done, overdue or about to start again (no processes: the servers here only record)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 
 import pytest
 
-from sgl_embeds_testing.server import Server, ServerPool, ServerStartError
+from sgl_embeds_testing.server import DRAIN_S, Server, ServerPool, ServerStartError
 
 
 class RecordingServer(Server):
@@ -16,6 +17,8 @@ class RecordingServer(Server):
     def __init__(self, name: str, log: list, barrier: threading.Barrier | None = None, fails: bool = False):
         super().__init__(model_dir=name)
         self.name, self.log, self.barrier, self.fails = name, log, barrier, fails
+        self.draining = False  # asked to stop and still running (``alive``)
+        self.wait_timeouts: list[float] = []
 
     def start(self, timeout: float = 0) -> "RecordingServer":
         self.log.append(("start", self.name))
@@ -37,8 +40,12 @@ class RecordingServer(Server):
         self.log.append(("ask", self.name))
         return True
 
-    def _wait_stopped(self) -> None:
+    def alive(self) -> bool:
+        return self.draining
+
+    def _wait_stopped(self, timeout: float = DRAIN_S) -> None:
         self.log.append(("wait", self.name))
+        self.wait_timeouts.append(timeout)
 
 
 def test_servers_asked_for_together_start_together_once_and_stop_together():
@@ -73,8 +80,10 @@ def test_at_most_max_running_run_and_the_least_recently_used_idle_one_stops_firs
     pool.begin_test()
     log.clear()
     pool.get("c")
-    assert log == [("ask", "b"), ("wait", "b"), ("start", "c")] and list(pool.running) == ["a", "c"]
+    # b is asked to stop and not waited for: c starts while b drains; the next test reaps b
+    assert log == [("ask", "b"), ("start", "c")] and list(pool.running) == ["a", "c"] and list(pool.stopping) == ["b"]
     pool.begin_test()
+    assert log[-1] == ("wait", "b") and pool.stopping == {}
     log.clear()
     assert pool.get("a")[0] is a and log == []  # running: not started again
     pool.begin_test()
@@ -93,7 +102,7 @@ def test_where_the_next_uses_are_known_the_idle_server_needed_last_stops_first()
     pool.begin_test()
     log.clear()
     pool.get("d")  # b is less recently used than c, but c is needed later
-    assert log == [("ask", "c"), ("wait", "c"), ("start", "d")] and set(pool.running) == {"a", "b", "d"}
+    assert log == [("ask", "c"), ("start", "d")] and set(pool.running) == {"a", "b", "d"}
 
 
 def test_servers_the_current_test_asked_for_are_never_stopped_to_make_room():
@@ -134,10 +143,30 @@ def test_a_prefetched_server_is_launched_early_and_only_waited_for_when_asked():
     assert pool.get("b")[0] is pool.made["b"] and log == [("ready", "b")]  # waited for, not started again
     pool.begin_test()
     assert pool.prefetch("c", keep={"b"})  # a is idle and not needed before: it stops for c
-    assert log[1:] == [("ask", "a"), ("wait", "a"), ("launch", "c")] and list(pool.running) == ["b"]
+    assert log[1:] == [("ask", "a"), ("launch", "c")] and list(pool.running) == ["b"]
     log.clear()
-    pool.stop()  # a launched server is stopped too
-    assert ("ask", "c") in log and pool.launched == {}
+    pool.stop()  # a launched server is stopped too, and a stopping one waited for
+    assert ("ask", "c") in log and ("wait", "a") in log and pool.launched == {} and pool.stopping == {}
     # each launch counted once (b's wait after its prefetch is not a second one), waits by name
     assert pool.starts == {"a": 1, "b": 1, "c": 1} and set(pool.waited_s) == {"a", "b"}
     assert pool.start_report()[-1].startswith("all") and " 3 launch(es)" in pool.start_report()[-1]
+
+
+def test_a_server_still_draining_is_waited_for_before_it_starts_again_and_killed_when_overdue():
+    log: list = []
+    pool = ServerPool({name: (lambda name=name: RecordingServer(name, log)) for name in "ab"}, max_running=1)
+    pool.begin_test()
+    a = pool.get("a")[0]
+    pool.begin_test()
+    pool.get("b")
+    a.draining = True  # SGLang still draining a
+    pool.begin_test()
+    assert list(pool.stopping) == ["a"] and ("wait", "a") not in log  # not waited for while it drains
+    log.clear()
+    pool.get("a")  # a again: its stop is finished first (its port), b is asked to stop for it
+    assert log == [("ask", "b"), ("wait", "a"), ("start", "a")] and a.wait_timeouts == [DRAIN_S]
+    b = pool.made["b"]
+    b.draining = True
+    pool.stopping["b"] -= DRAIN_S + 1  # draining for longer than a stop may take
+    pool.begin_test()
+    assert pool.stopping == {} and b.wait_timeouts == [0]  # killed at once
