@@ -15,7 +15,7 @@ import sglang as sgl
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
 import helpers
 import sgl_embeds
@@ -24,7 +24,9 @@ from sgl_embeds_testing.encoders import scene_disc_mask, synthetic_scene
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.vision import EncoderCache, mask_image
 from sgl_embeds.vlm import AnyresEncoder, image_prompt, load_encoder, render_chat, split
+from sgl_embeds.vlm.tiling import Tiling
 from sgl_embeds.vlm.tower import WEIGHTS_NAME
+from sgl_embeds_protocol.family import family_of
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_srt.placeholders import is_placeholder
 from sgl_embeds_srt.prompts import ModelSpec, build_ids
@@ -359,3 +361,25 @@ def test_the_encoder_refuses_other_formats_and_backends(vlm, tmp_path):
     (tmp_path / "v" / "sgl_embeds_vision.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not an sgl_embeds LLaVA vision config"):
         load_encoder(tmp_path / "v")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tall_and_wide_images_get_as_many_rows_as_the_processor_writes_tokens(family):
+    """``Tiling`` made straight from the checkpoint's config (no split and no encoder, whose own
+    check of these counts would refuse first): a tall, a wide and an odd image get as many rows
+    as HF's processor writes image tokens for them (a pinpoint chosen with height and width
+    swapped gives other counts)."""
+    checkpoint = FAMILIES[family]()
+    config = AutoConfig.from_pretrained(checkpoint)
+    max_tiles = None
+    if family_of(family).tiling == "anyres_max":
+        max_tiles = int(re.fullmatch(r"anyres_max_(\d+)", config.vision_aspect_ratio).group(1))
+    tile = config.vision_config.image_size
+    tiling = Tiling(tile, tile // config.vision_config.patch_size,
+                    tuple(tuple(p) for p in config.image_grid_pinpoints), max_tiles)
+    processor = hf_processor(str(checkpoint), "torchvision")
+    for name in ("tall", "wide", "odd"):
+        width, height = SIZES[name]
+        ids = processor(images=[Image.new("RGB", (width, height))], text=processor.image_token,
+                        return_tensors="pt")["input_ids"][0]
+        assert tiling.rows_for(width, height) == int((ids == config.image_token_id).sum()), (family, name)
