@@ -54,7 +54,9 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: the CPU hooks, if opted in."""
-    if not opted_in():
+    from sgl_embeds_protocol import targets
+
+    if not opted_in() or targets.in_detokenizer():  # it runs none of these hooks
         return
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -153,12 +153,16 @@ PATCHED: dict[str, Guard] = {
     # (sender.post_stock_body wraps it: the inline resend of a refused handle)
     STOCK_POST: client("urllib.request.urlopen", "stream", fp="c1368192ee6d1920"),
 }
+DETOKENIZER_TITLE = "sglang::detokenizer"
 RELIED_ON: dict[str, Guard] = {
     # -- start-up: how a refusal stops a launch (plugin.register raises SystemExit, which
     #    load_plugins' `except Exception` lets through) and where the plugin loads
     "sglang.srt.plugins.load_plugins": server("except Exception", "apply_hooks", fp="4af6a54c7fd56378"),
     "sglang.launch_server": server("load_plugins()"),  # its __main__ loads plugins first
     f"{_ENGINE}.__init__": server("load_plugins()", fp="6458fa9b0cefacef"),
+    # the detokenizer is told by the title it takes before it loads plugins (in_detokenizer)
+    "sglang.srt.managers.detokenizer_manager.run_detokenizer_process": server(
+        f'setproctitle.setproctitle("{DETOKENIZER_TITLE}")\n    load_plugins()', fp="4d6d486d9199cf48"),
     # -- where the CPU kernels turn on (sgl_embeds_cpu.plugin.activate, a platform entry point):
     #    each SGLang process resolves its platform on importing sglang.srt.utils.common, before
     #    any module imports sgl_kernel, and resolving calls every platform plugin
@@ -296,6 +300,14 @@ RELIED_ON: dict[str, Guard] = {
 # Names the client adds to SGLang's modules (the DSL); they must not exist there already.
 ADDED_NAMES: dict[str, tuple[str, ...]] = {"sglang": ("embeds", "region")}
 TARGETS: dict[str, Guard] = {**PATCHED, **RELIED_ON}
+
+
+def in_detokenizer() -> bool:
+    """Whether this process is a server's detokenizer, which runs none of the hooks: registering
+    them there would import their modules and patch them for nothing (~2 s of CPU a launch)."""
+    import setproctitle  # SGLang's dependency: only its processes ask
+
+    return setproctitle.getproctitle() == DETOKENIZER_TITLE
 
 
 class ChangedSGLang(RuntimeError):

@@ -77,6 +77,8 @@ def register() -> None:
     (``http/worker_app.py``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry  # SGLang not ready at module import
 
+    if targets.in_detokenizer():  # it runs none of our hooks
+        return
     main_process = is_server_main_process()
     if main_process:
         check_guards()

@@ -78,6 +78,23 @@ def test_the_hook_tables_patch_exactly_the_listed_targets():
     assert {sides[t] for t in server} == {"server"} == {sides[t] for t in cpu}
 
 
+def test_the_plugins_register_no_hook_in_a_detokenizer(monkeypatch):
+    """SGLang's detokenizer (told by its process title) runs none of our hooks, so neither plugin
+    registers one there; a scheduler gets them all."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv(plugin.LOADED_BY_VAR, "")  # register() records this process in it
+    monkeypatch.setenv(cpu_plugin.OPT_IN, "1")
+    registered = []
+    monkeypatch.setattr(HookRegistry, "register", lambda target, hook, kind: registered.append(target))
+    for title, expected in ((targets.DETOKENIZER_TITLE, set()), ("sglang::scheduler", set(targets.PATCHED) - set(hooks.hook_table()))):
+        registered.clear()
+        monkeypatch.setattr("setproctitle.getproctitle", lambda: title)
+        plugin.register()
+        cpu_plugin.register()
+        assert set(registered) == expected, title
+
+
 def test_plugin_entry_points_are_declared():
     names = {ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert {"sgl_embeds_srt.plugin:register", "sgl_embeds_cpu.plugin:register"} <= names
