@@ -22,7 +22,8 @@
 # request's slot), conv_state_off_by_one (the conv state kept one position early); of Qwen3.5-MoE:
 # shared_expert_gate_ungated (the shared expert's gate without its sigmoid); of the client's regions:
 # region_ignored (sgl.region encodes the whole image, not the box); of the workload's smg arms:
-# smg_route_bypassed (workload.route hands out a worker's URL, not its gateway's).
+# smg_route_bypassed (workload.route hands out a worker's URL, not its gateway's); of a split LLM's
+# weights: split_weights_unrenamed (read under the checkpoint's names: SGLang keeps its initial values).
 set -u
 cd "$(dirname "$0")/.."
 patch="tests/sabotage/$1.patch"

@@ -294,7 +294,7 @@ def split_dir(checkpoint: Path, progress: bool = True, make: bool = True) -> Pat
     if not make:
         print(f"[serve] {checkpoint} would be split into {target}", flush=True)
         return target
-    build_once(target, lambda tmp: split(checkpoint, tmp, progress=progress), done="llm/config.json")
+    build_once(target, lambda tmp: split(checkpoint, tmp), done="llm/config.json")
     print(f"[serve] split into {target}", flush=True)
     return target
 

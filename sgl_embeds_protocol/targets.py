@@ -54,6 +54,7 @@ HANDLE_GENERATE_REQUEST = "sglang.srt.managers.scheduler.Scheduler.handle_genera
 GET_EMBEDDING_AND_MASK = "sglang.srt.managers.mm_schedule.get_embedding_and_mask"
 QWEN2_VISION_INIT = "sglang.srt.models.qwen2_vl.Qwen2VisionTransformer.__init__"
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+SPLIT_WEIGHTS = "sglang.srt.model_loader.loader.DefaultModelLoader._get_weights_iterator"
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 ADD_CHUNKED_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
 FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -117,6 +118,9 @@ PATCHED: dict[str, Guard] = {
     # a forward batch takes its requests' blocks, and the eager runner's copy of it keeps them; the torch_native extend and decode, attended
     # again with the mask and the soft cap (they save the KV as these do)
     LOAD_MODEL: server("self.model", fp="b001b62d7fc3a116"),
+    # a split LLM's weights read in place (loader.py): every (name, tensor) of the model's files
+    # passes through here, under the source's prefix
+    SPLIT_WEIGHTS: server("source.prefix + name", fp="51675bf475977cf4"),
     ADD_ONE_REQ: server("_select_prefill_admission", "add_one_req_ignore_eos", fp="ff9f32254e9b11e1"),
     ADD_CHUNKED_REQ: server("req.extend_end = req.prefix_len + new_len", "return req if truncated else None", fp="a2ff155ff7ef375f"),
     FORWARD_BATCH_INIT: server("batch.forward_mode", fp="d37cf9d33f2e0e1b"),

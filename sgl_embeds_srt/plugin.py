@@ -25,7 +25,8 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     from sgl_embeds_srt import (
-        block_attention, blocks, engine, gpu_block_attention, image_spans, logprobs, model_runner, openai, scheduler, transport,
+        block_attention, blocks, engine, gpu_block_attention, image_spans, loader, logprobs, model_runner, openai, scheduler,
+        transport,
     )
 
     table = {
@@ -42,6 +43,7 @@ def hook_table(http: bool) -> dict[str, tuple[Any, Callable]]:
         targets.GET_EMBEDDING_AND_MASK: (HookType.AROUND, model_runner.get_embedding_and_mask),
         targets.QWEN2_VISION_INIT: (HookType.AROUND, model_runner.qwen2_vision_init),
         targets.LOAD_MODEL: (HookType.AROUND, model_runner.load_model),
+        targets.SPLIT_WEIGHTS: (HookType.AROUND, loader.weights_iterator),
         targets.GEMMA4_TEXT_CONFIG: (HookType.AROUND, model_runner.gemma4_text_config),
         targets.GEMMA4_BACKEND_CHECK: (HookType.AROUND, model_runner.gemma4_backend_check),
         targets.GEMMA4_PER_LAYER_INPUTS: (HookType.AROUND, model_runner.gemma4_per_layer_inputs),

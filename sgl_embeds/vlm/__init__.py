@@ -94,7 +94,7 @@ def load_encoder(path: str | Path, device: str | torch.device | None = None,
 
 
 # The rest of the package's names, from their modules, imported when first asked for
-_EXPORTS = {"split": "checkpoint", "LlavaEncoder": "tower", "VisionConfig": "tower",
+_EXPORTS = {"split": "checkpoint", "load_split_llm": "checkpoint", "LlavaEncoder": "tower", "VisionConfig": "tower",
             "AnyresEncoder": "anyres", "QwenVLEncoder": "qwen_vl", "ImageProcessing": "pixels"}
 
 
@@ -104,5 +104,5 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
-__all__ = ["split", "load_encoder", "LlavaEncoder", "AnyresEncoder", "QwenVLEncoder",
+__all__ = ["split", "load_split_llm", "load_encoder", "LlavaEncoder", "AnyresEncoder", "QwenVLEncoder",
            "VisionConfig", "ImageProcessing", "image_prompt", "render_chat"]

@@ -1,28 +1,28 @@
-"""Split an HF LLaVA, PaliGemma or Gemma 3 checkpoint into an LLM that SGLang serves and a vision
-half that we run.
-
-``split(SRC, DST)`` reads a LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma or Gemma 3 directory
-as transformers writes it (safetensors, both key layouts) and writes ``DST/llm/`` (an ordinary
-causal LM and the family file) and ``DST/vision/`` (tower and projector weights, settings, chat template). Anything
-it cannot carry over exactly is a ``ValueError`` naming the key or field; a ``.bin`` checkpoint is
-refused, never unpickled (docs/vision-encoders.md, sections 1, 6, 7 and 8).
+"""Split an HF LLaVA, PaliGemma, Gemma 3 or Gemma 4 checkpoint (safetensors, both key layouts)
+into an LLM that SGLang serves and a vision half that we run: ``split(SRC, DST)`` writes
+``DST/llm/`` (a causal LM whose weights stay in the checkpoint's files, linked; the family file)
+and ``DST/vision/`` (tower and projector weights, settings, chat template); ``load_split_llm``
+loads the LLM half with transformers. What cannot be carried over exactly is a ``ValueError``
+naming the key or field; ``.bin`` weights are refused, never unpickled (docs/vision-encoders.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
-from tqdm import tqdm
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer
 from transformers.image_processing_backends import TorchvisionBackend
+from transformers.utils import logging as hf_logging
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from sgl_embeds.vlm import gemma3, gemma4, paligemma
@@ -35,19 +35,18 @@ from sgl_embeds.vlm.tower import (
 from sgl_embeds_protocol.family import (
     EMBEDDER, FAMILY_FILE, FAMILIES, LINEAR, MLP, POOLED, SPLIT, Family, family_file, family_of,
 )
+from sgl_embeds_protocol.split_weights import weight_names, write_weight_names
 
-SHARD_BYTES = 4 << 30
 # what ``split`` writes, as a version: ``serve`` keys its split cache by it too, so a split of an
-# older layout is made again rather than served without what it lacks (2: FAMILY_FILE's image_text)
-SPLIT_VERSION = 2
+# older layout is made again rather than served without what it lacks (2: FAMILY_FILE's image_text;
+# 3: the LLM's weights linked, not copied)
+SPLIT_VERSION = 3
 _LLM_FILES = ("generation_config.json",)
 
 
-def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
-          progress: bool = False) -> tuple[Path, Path]:
-    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA / PaliGemma / Gemma 3 checkpoint ``src``; returns
-    both paths.
-    ``progress``: a progress bar over the language model's tensors (the bulk of the bytes)."""
+def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """Write ``dst/llm`` and ``dst/vision`` from the LLaVA / PaliGemma / Gemma 3 / Gemma 4
+    checkpoint ``src``; returns both paths. The LLM's weights stay in ``src``'s files (linked)."""
     src, dst = Path(src), Path(dst)
     raw = _read_json(src / "config.json")
     model_type = raw.get("model_type")
@@ -59,7 +58,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
                          f"{', '.join(repr(f.name) for f in splittable)} checkpoints "
                          f"({', '.join(f.hf_class for f in splittable)}) can be split")
     if family.projector == EMBEDDER:  # Gemma 4: its own key layout and vision half
-        return _split_gemma4(src, dst, family, log, progress)
+        return _split_gemma4(src, dst, family, log)
     vision_type = raw.get("vision_config", {}).get("model_type")
     if family.projector == MLP and family.tiling is None and vision_type != "clip_vision_model":
         raise ValueError(f"vision_config.model_type is {vision_type!r}: only CLIP vision towers "
@@ -96,7 +95,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
         d.mkdir(parents=True, exist_ok=True)
     tensors = Tensors(weights)
     llm_keys = _untied(parts.llm, tensors, text_config)
-    _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
+    _write_llm(src, text_config, arch, weights, llm_keys, llm_dir, log)
     tower = {k: tensors[full] for k, full in parts.tower.items()}
     if family.tiling is None and family.projector == MLP:
         tower = clip_to_open_clip(tower, vision.tower.layers)
@@ -131,8 +130,7 @@ def split(src: str | Path, dst: str | Path, log: Callable[[str], None] = print,
     return llm_dir, vision_dir
 
 
-def _split_gemma4(src: Path, dst: Path, family: Family, log: Callable[[str], None],
-                  progress: bool) -> tuple[Path, Path]:
+def _split_gemma4(src: Path, dst: Path, family: Family, log: Callable[[str], None]) -> tuple[Path, Path]:
     """``split`` of a ``Gemma4ForConditionalGeneration`` checkpoint: the LLM half a
     ``Gemma4ForCausalLM`` of its text config (``gemma4.llm_config``), the vision half
     ``gemma4.write_vision_half``'s."""
@@ -145,7 +143,7 @@ def _split_gemma4(src: Path, dst: Path, family: Family, log: Callable[[str], Non
     log(f"[split] {src}: {family.hf_class}: a {arch} language model, {len(llm_keys)} tensors")
     llm_dir, vision_dir = dst / "llm", dst / "vision"
     llm_dir.mkdir(parents=True, exist_ok=True)
-    _write_llm(src, text_config, arch, tensors, llm_keys, llm_dir, log, progress)
+    _write_llm(src, text_config, arch, weights, llm_keys, llm_dir, log)
     vision = gemma4.write_vision_half(src, vision_dir)
     (llm_dir / FAMILY_FILE).write_text(family_file(
         family.name, "../vision", vision.image_token, vision.image_text,
@@ -304,29 +302,19 @@ def _untied(llm_keys: dict[str, str], tensors: Tensors, text_config) -> dict[str
     return {k: v for k, v in llm_keys.items() if k != "lm_head.weight"}
 
 
-def _write_llm(src: Path, text, arch: str, tensors: Tensors, llm_keys: dict[str, str],
-               out: Path, log: Callable[[str], None], progress: bool) -> None:
+def _write_llm(src: Path, text, arch: str, weights: dict[str, Path], llm_keys: dict[str, str],
+               out: Path, log: Callable[[str], None]) -> None:
+    """``out``: the LLM's config, tokenizer and generation config, and its weights where they
+    are: the checkpoint's files that hold them, linked (hard links; symbolic ones across file
+    systems), and the name of each in them (``split_weights.WEIGHTS_FILE``)."""
     text.architectures = [arch]
     text.save_pretrained(out)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in tqdm(sorted(llm_keys), desc="[split] llm tensors", unit="tensor", disable=not progress):
-        t = tensors[llm_keys[name]].contiguous()
-        if size and size + t.numel() * t.element_size() > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.numel() * t.element_size()
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        index = {"metadata": {}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    files = sorted({weights[key] for key in llm_keys.values()})
+    if len({f.name for f in files}) != len(files):
+        raise ValueError(f"{src}: two weight files of the language model share a name ({[str(f) for f in files]})")
+    for f in files:
+        _link(f.resolve(), out / f.name)
+    write_weight_names(out, llm_keys)
     tokenizer = AutoTokenizer.from_pretrained(src)
     if not tokenizer.chat_template:
         tokenizer.chat_template = chat_template_of(src)
@@ -334,4 +322,34 @@ def _write_llm(src: Path, text, arch: str, tensors: Tensors, llm_keys: dict[str,
     for name in _LLM_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
-    log(f"[split] llm: {arch}, {len(llm_keys)} tensors in {len(shards)} file(s) -> {out}")
+    log(f"[split] llm: {arch}, {len(llm_keys)} tensors read in place from {len(files)} file(s) -> {out}")
+
+
+def _link(target: Path, link: Path) -> None:
+    """``link`` to ``target``: a hard link, which keeps the bytes the split was made of if the
+    checkpoint's file is replaced; a symbolic one where the two are on different file systems."""
+    try:
+        os.link(target, link)
+    except OSError:
+        os.symlink(target, link)
+
+
+def load_split_llm(llm_dir: str | Path, **kwargs: Any) -> Any:
+    """The split LLM in ``llm_dir`` as transformers' causal LM (``AutoModelForCausalLM``;
+    ``kwargs`` go to ``from_pretrained``), its weights read where ``split`` left them; a folder
+    with the LLM's own weights loads as it is. Any tensor of the LLM left unloaded is an error."""
+    names = weight_names(llm_dir)
+    if names is None:
+        return AutoModelForCausalLM.from_pretrained(llm_dir, **kwargs)
+    mapping = {f"^{re.escape(key)}$": name for key, name in names.items()}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its report lists every vision tensor the files also hold
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            llm_dir, key_mapping=mapping, output_loading_info=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if loading["missing_keys"]:
+        raise ValueError(f"{llm_dir}: the language model's {sorted(loading['missing_keys'])[:3]} "
+                         "are in none of its weight files")
+    return model

@@ -18,8 +18,12 @@ from typing import Callable, Collection, Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from sgl_embeds.vlm.checkpoint import load_split_llm
+from sgl_embeds_protocol.split_weights import renamed, weight_names
 
 NEAR_TIE = 1e-3
 # Every near-tie forgiven since the last reset, by context: tests/conftest.py resets it before each
@@ -51,8 +55,17 @@ def _greedy_from_scores(sequences: torch.Tensor, scores: tuple) -> Greedy:
 
 @lru_cache(maxsize=4)
 def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.eval()
+    """The causal LM in ``model_dir``; a split LLM's weights read where ``split`` left them."""
+    return load_split_llm(model_dir, dtype=dtype).eval()
+
+
+def split_llm_weights(llm_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors the split LLM in ``llm_dir`` loads, by its names, from its linked files."""
+    names = weight_names(llm_dir)
+    assert names is not None, f"{llm_dir} is not a split LLM"
+    files = sorted(Path(llm_dir).glob("*.safetensors"))
+    stored = ((key, tensor) for f in files for key, tensor in load_file(str(f)).items())
+    return dict(renamed(stored, names, str(llm_dir)))
 
 
 @lru_cache(maxsize=4)
@@ -455,8 +468,7 @@ def _typed_greedy(model, inputs: dict, max_new_tokens: int, prefix: list[int], p
 @lru_cache(maxsize=4)
 def hf_eager_model(model_dir: str):
     """``hf_model``'s causal LM with eager attention (float32): for custom 4-D masks."""
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return load_split_llm(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def prefix_lm_mask(length: int, block: int) -> torch.Tensor:

@@ -37,10 +37,10 @@ def test_llava_is_split_once_into_a_folder_keyed_by_its_content(split_cache, tmp
     assert launch.args[-2:] == ["--port", "1234"]  # the user's flags last: they override
     written = json.loads((launch.model_dir / family.FAMILY_FILE).read_text())
     assert written == {"family": "llava", "vision_dir": "../vision", "image_token": "<image>"}
-    stamp = (launch.model_dir / "model.safetensors").stat().st_mtime_ns
+    stamp = (launch.model_dir / "config.json").stat().st_mtime_ns  # written by the split
     again = serve.plan(tiny_llava_dir("llama"), [], progress=False)
     assert again.model_dir == launch.model_dir
-    assert (launch.model_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not split again
+    assert (launch.model_dir / "config.json").stat().st_mtime_ns == stamp  # not split again
     # another content, another folder
     changed = tmp_path / "changed"
     shutil.copytree(tiny_llava_dir("llama"), changed)

@@ -14,13 +14,14 @@ import pytest
 import sglang as sgl
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3ForConditionalGeneration
+from transformers import AutoConfig, AutoTokenizer, Gemma3ForConditionalGeneration
 
 import helpers
 import sgl_embeds
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import LAYER_TYPES, ROWS_PER_IMAGE, SLIDING_WINDOW, tiny_gemma3_dir
-from sgl_embeds.vlm import image_prompt, load_encoder, render_chat, split
+from sgl_embeds.vlm import image_prompt, load_encoder, load_split_llm, render_chat, split
+from sgl_embeds.vlm.files import WEIGHTS_NAME
 from sgl_embeds.vlm.gemma3 import Gemma3Encoder, prompt_segments, prompt_text
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import FAMILY_FILE, family_of
@@ -89,7 +90,7 @@ def test_split_writes_a_gemma3_causal_lm_with_the_processors_tokenizer():
     model, _ = ref.hf_gemma3(str(src))
     theirs = {k[len("model.language_model."):]: v for k, v in model.state_dict().items()
               if k.startswith("model.language_model.")}
-    ours = load_file(str(llm / "model.safetensors"))
+    ours = ref.split_llm_weights(llm)
     assert sorted(ours) == sorted("model." + k for k in theirs)  # no lm_head: tied
     for key, value in theirs.items():
         assert torch.equal(ours["model." + key], value), key
@@ -101,7 +102,7 @@ def test_split_writes_a_gemma3_causal_lm_with_the_processors_tokenizer():
     assert (config.sliding_window, tuple(config.layer_types)) == (SLIDING_WINDOW, LAYER_TYPES)
     assert config.hidden_activation == model.config.text_config.hidden_activation
     assert config.rope_parameters == model.config.text_config.rope_parameters
-    lm = AutoModelForCausalLM.from_pretrained(llm)
+    lm = load_split_llm(llm)
     assert type(lm).__name__ == "Gemma3ForCausalLM"
     assert torch.equal(lm.lm_head.weight, lm.model.embed_tokens.weight)
     assert float(lm.model.embed_tokens.embed_scale) == config.hidden_size ** 0.5  # text rows only
@@ -120,8 +121,8 @@ def test_split_writes_a_gemma3_causal_lm_with_the_processors_tokenizer():
 def test_both_key_layouts_split_alike():
     _, llm, vision = _split("saved")
     _, llm_model, vision_model = _split("model")
-    for a, b in ((llm, llm_model), (vision, vision_model)):
-        x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for x, y in ((ref.split_llm_weights(llm), ref.split_llm_weights(llm_model)),
+                 (load_file(str(vision / WEIGHTS_NAME)), load_file(str(vision_model / WEIGHTS_NAME)))):
         assert sorted(x) == sorted(y)
         assert all(torch.equal(x[k], y[k]) for k in x)
 

@@ -13,12 +13,11 @@ from functools import cache
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import helpers
 from sgl_embeds.vlm import load_encoder
-from sgl_embeds.vlm.checkpoint import split
+from sgl_embeds.vlm.checkpoint import load_split_llm, split
 from sgl_embeds_protocol.family import FAMILY_FILE
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
@@ -46,7 +45,7 @@ def test_the_llm_half_is_the_text_model_as_a_causal_lm(halves):
     assert {k: v for k, v in ours.items() if k != "transformers_version"} == {
         k: v for k, v in theirs.items() if k != "transformers_version"}
     weights = load_file(str(src / "model.safetensors"))
-    half = load_file(str(llm / "model.safetensors"))
+    half = ref.split_llm_weights(llm)
     expected = {"model." + k[len("model.language_model."):]: v for k, v in weights.items()
                 if k.startswith("model.language_model.")}
     assert half.keys() == expected.keys()
@@ -75,8 +74,7 @@ def test_the_llm_half_on_image_rows_gives_hfs_logits(halves):
     # each image's rows as the encoder computes them alone (a batch of two moves them by ~2e-7)
     theirs = vlm(**inputs, mm_encoder_outputs={"image": BaseModelOutputWithPooling(
         pooler_output=tuple(image_rows))}).logits[0]
-    model = AutoModelForCausalLM.from_pretrained(llm, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = load_split_llm(llm, dtype=torch.float32, attn_implementation="eager").eval()
     ids = inputs["input_ids"][0]
     at_images = ids == vlm.config.image_token_id
     rows = model.model.embed_tokens(torch.where(at_images, 0, ids))

@@ -22,7 +22,7 @@ from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import GridEncoder, synthetic_scene
 from sgl_embeds_testing.models import tiny_llava_dir
 from sgl_embeds.vision import EncoderCache, check_mask, mask_image
-from sgl_embeds.vlm import ImageProcessing, LlavaEncoder, image_prompt, load_encoder, render_chat, split
+from sgl_embeds.vlm import ImageProcessing, LlavaEncoder, image_prompt, load_encoder, load_split_llm, render_chat, split
 from sgl_embeds.vlm.tower import WEIGHTS_NAME
 
 # numbers compared across code paths: run again with AVX2 kernels (scripts/test_portable.sh)
@@ -63,19 +63,17 @@ def test_both_key_layouts_split_to_the_same_model(tmp_path):
         outs.append((llm, vision))
     from safetensors.torch import load_file
 
-    for part, name in (("llm", "model.safetensors"), ("vision", WEIGHTS_NAME)):
-        a, b = (load_file(str(tmp_path / layout / part / name)) for layout in ("saved", "model"))
+    for part, read in (("llm", ref.split_llm_weights), ("vision", lambda d: load_file(str(d / WEIGHTS_NAME)))):
+        a, b = (read(tmp_path / layout / part) for layout in ("saved", "model"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     config = json.loads((outs[0][0] / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 64
 
 
 def test_split_llm_equals_the_vlm_language_model(llama_vlm):
-    from transformers import AutoModelForCausalLM
-
     src, dst, _ = llama_vlm
     model, _ = ref.hf_llava(str(src))
-    llm = AutoModelForCausalLM.from_pretrained(dst / "llm", dtype=torch.float32)
+    llm = load_split_llm(dst / "llm", dtype=torch.float32)
     ids = torch.tensor([[0, 40, 41, 100, 7, 300]])
     with torch.no_grad():
         assert torch.equal(llm(ids).logits, model(input_ids=ids).logits)

@@ -15,7 +15,7 @@ import sglang as sgl
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
 import helpers
 import sgl_embeds
@@ -23,7 +23,7 @@ from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.encoders import scene_disc_mask, synthetic_scene
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds.vision import EncoderCache, mask_image
-from sgl_embeds.vlm import AnyresEncoder, image_prompt, load_encoder, render_chat, split
+from sgl_embeds.vlm import AnyresEncoder, image_prompt, load_encoder, load_split_llm, render_chat, split
 from sgl_embeds.vlm.tiling import Tiling
 from sgl_embeds.vlm.tower import WEIGHTS_NAME
 from sgl_embeds_protocol.family import family_of
@@ -96,8 +96,8 @@ def hf_image_rows(checkpoint, images: list, backend: str = "torchvision") -> lis
 def test_split_round_trips_both_key_layouts(vlm, tmp_path):
     family, src, dst, _ = vlm
     other = _quiet_split(FAMILIES[family]("model"), tmp_path / "model")
-    for part, name in (("llm", "model.safetensors"), ("vision", WEIGHTS_NAME)):
-        a, b = load_file(str(dst / part / name)), load_file(str(tmp_path / "model" / part / name))
+    for part, read in (("llm", ref.split_llm_weights), ("vision", lambda d: load_file(str(d / WEIGHTS_NAME)))):
+        a, b = read(dst / part), read(tmp_path / "model" / part)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     assert "image_newline" in a
     for name in ("sgl_embeds_vision.json", "preprocessor_config.json", "chat_template.jinja"):
@@ -107,7 +107,7 @@ def test_split_round_trips_both_key_layouts(vlm, tmp_path):
     assert config["architectures"] == [arch] and config["hidden_size"] == 64
 
     model, _ = ref.hf_llava(str(src))
-    llm = AutoModelForCausalLM.from_pretrained(dst / "llm", dtype=torch.float32)
+    llm = load_split_llm(dst / "llm", dtype=torch.float32)
     ids = torch.tensor([[0, 40, 41, 100, 7, 300]])
     with torch.no_grad():
         assert torch.equal(llm(ids).logits, model(input_ids=ids).logits)

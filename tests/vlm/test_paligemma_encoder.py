@@ -14,13 +14,14 @@ import pytest
 import sglang as sgl
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import helpers
 import sgl_embeds
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.paligemma import ROWS_PER_IMAGE, tiny_paligemma_dir
-from sgl_embeds.vlm import image_prompt, load_encoder, split
+from sgl_embeds.vlm import image_prompt, load_encoder, load_split_llm, split
+from sgl_embeds.vlm.files import WEIGHTS_NAME
 from sgl_embeds.vlm.paligemma import PaliGemmaEncoder, prompt_segments, prompt_text
 from sgl_embeds_protocol import segments as seg
 from sgl_embeds_protocol.family import FAMILY_FILE, family_of
@@ -59,7 +60,7 @@ def test_split_writes_a_plain_gemma_llm_with_the_processors_tokenizer(generation
     model, _ = ref.hf_paligemma(str(src))
     theirs = {k[len("model.language_model."):]: v for k, v in model.state_dict().items()
               if k.startswith("model.language_model.")}
-    ours = load_file(str(llm / "model.safetensors"))
+    ours = ref.split_llm_weights(llm)
     assert sorted(ours) == sorted("model." + k for k in theirs)  # no lm_head: tied
     for key, value in theirs.items():
         assert torch.equal(ours["model." + key], value), key
@@ -74,7 +75,7 @@ def test_split_writes_a_plain_gemma_llm_with_the_processors_tokenizer(generation
         assert model.config.text_config.final_logit_softcapping is not None
         assert config.final_logit_softcapping is None
         assert config.attn_logit_softcapping == model.config.text_config.attn_logit_softcapping
-    lm = AutoModelForCausalLM.from_pretrained(llm)
+    lm = load_split_llm(llm)
     assert type(lm).__name__ == GENERATIONS[generation]
     assert torch.equal(lm.lm_head.weight, lm.model.embed_tokens.weight)
 
@@ -90,8 +91,8 @@ def test_split_writes_a_plain_gemma_llm_with_the_processors_tokenizer(generation
 def test_both_key_layouts_split_alike(generation):
     _, llm, vision = _split(generation, "saved")
     _, llm_model, vision_model = _split(generation, "model")
-    for a, b in ((llm, llm_model), (vision, vision_model)):
-        x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for x, y in ((ref.split_llm_weights(llm), ref.split_llm_weights(llm_model)),
+                 (load_file(str(vision / WEIGHTS_NAME)), load_file(str(vision_model / WEIGHTS_NAME)))):
         assert sorted(x) == sorted(y)
         assert all(torch.equal(x[k], y[k]) for k in x)
 
