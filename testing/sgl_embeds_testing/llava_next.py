@@ -16,7 +16,7 @@ from transformers import (
     CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor,
     LlavaNextProcessor, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
     LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
-    SiglipVisionConfig,
+    Qwen2Config, SiglipVisionConfig,
 )
 
 from sgl_embeds_testing.models import (
@@ -98,6 +98,31 @@ def bench_llava_onevision_dir(llm_hidden: int) -> Path:
                                 ONEVISION_384_PINPOINTS, llm_hidden, _BENCH_INIT["llava_onevision"])
 
 
+# Qwen2-0.5B, the language model of llava-hf/llava-onevision-qwen2-0.5b-ov-hf (its config.json)
+PUBLISHED_ONEVISION_TEXT = dict(
+    vocab_size=152000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+# seed, language-model and projector scales of the published sizes' random weights: at HF's init
+# a 24-layer random LM repeats one token whatever the image (measured on OneVision-0.5B: 27070
+# eight times, for both images); x4, three random prompts gave eight distinct tokens each
+PUBLISHED_INIT = (24, 4.0, 2.0)
+
+
+def published_llava_onevision_dir() -> Path:
+    """LLaVA-OneVision-0.5B at its published size (``bench_llava_onevision_dir``'s vision half, the
+    language model ``PUBLISHED_ONEVISION_TEXT``), random weights (``PUBLISHED_INIT``), float32, our
+    tokenizer (for ``benchmarks/real_size.py``)."""
+    vision = SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
+                                num_attention_heads=16, image_size=384, patch_size=14,
+                                vision_use_head=False)
+    return _llava_onevision_dir("published-llava_onevision_0_5b-lm4", "saved", vision, ONEVISION_384_PINPOINTS,
+                                PUBLISHED_ONEVISION_TEXT["hidden_size"], PUBLISHED_INIT,
+                                text_size=PUBLISHED_ONEVISION_TEXT)
+
+
 def split_dir(checkpoint: Path) -> Path:
     """``split``'s output of ``checkpoint`` (``llm/`` and ``vision/``), made once next to it in
     the cache."""
@@ -140,22 +165,24 @@ def _llava_next_dir(name: str, layout: str, vision: CLIPVisionConfig,
 
 def _llava_onevision_dir(name: str, layout: str, vision: SiglipVisionConfig,
                          pinpoints: list[list[int]], llm_hidden: int,
-                         init: tuple[int, float, float]) -> Path:
+                         init: tuple[int, float, float], text_size: dict | None = None) -> Path:
     """A random ``LlavaOnevisionForConditionalGeneration`` of the ``vision`` tower and the tiny
-    Qwen2 of width ``llm_hidden``, with our tokenizer, the processor for ``pinpoints`` and
-    ``anyres_max_9``, SigLIP's normalization and the Qwen chat format; ``init``: as
-    ``save_scaled_vlm``'s."""
+    Qwen2 of width ``llm_hidden`` (``text_size``: a Qwen2 of these settings instead), with our
+    tokenizer, the processor for ``pinpoints`` and ``anyres_max_9``, SigLIP's normalization and
+    the Qwen chat format; ``init``: as ``save_scaled_vlm``'s."""
     tile = vision.image_size
 
     def build(tmp: Path) -> None:
         tok = train_tokenizer(tmp, extra_specials=("<image>", "<video>"))
         config = LlavaOnevisionConfig(
             vision_config=vision.to_dict(),
-            text_config=_tiny_config("qwen2", len(tok), llm_hidden).to_dict(),
+            text_config=(_tiny_config("qwen2", len(tok), llm_hidden) if text_size is None else Qwen2Config(
+                bos_token_id=0, eos_token_id=1, pad_token_id=2, torch_dtype="float32", **text_size)).to_dict(),
             image_token_index=tok.convert_tokens_to_ids("<image>"),
             video_token_index=tok.convert_tokens_to_ids("<video>"), projector_hidden_act="gelu",
             vision_feature_layer=-1, vision_feature_select_strategy="full",
             vision_aspect_ratio="anyres_max_9", image_grid_pinpoints=pinpoints,
+            tie_word_embeddings=bool((text_size or {}).get("tie_word_embeddings")),
         )
         save_scaled_vlm(LlavaOnevisionForConditionalGeneration, config, init, tmp)
         siglip = dict(size={"height": tile, "width": tile}, image_mean=[0.5] * 3,

@@ -94,6 +94,35 @@ def bench_qwen3_vl_dir() -> Path:
     return _qwen_vl_dir(f"bench-qwen3_vl-{QWEN_VL_CACHE_VERSION}", "qwen3_vl", text, vision, (4, 256), (7, 1.0, 1.0))
 
 
+# Published sizes (each checkpoint's config.json: text, vision, rotary), for random-weight copies
+# with our tokenizer (benchmarks/real_size.py); both tie their word embeddings
+PUBLISHED = {
+    "qwen3_vl_2b": ("qwen3_vl", "Qwen/Qwen3-VL-2B-Instruct", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+        rms_norm_eps=1e-6), dict(
+        depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+        num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
+        {"rope_theta": 5e6, "mrope_section": [24, 20, 20]}),
+    "qwen2_5_vl_3b": ("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", dict(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6), dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+        window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu"),
+        {"rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+}
+PUBLISHED_IMAGE_TOKENS = (4, 16384)  # the processors' min_pixels / max_pixels, in merged patches
+
+
+def published_qwen_vl_dir(name: str) -> Path:
+    """A random-weight Qwen-VL at the size of the published checkpoint ``name`` of ``PUBLISHED``,
+    float32, with our tokenizer and the processor's published image limits; the language model
+    x4 and the merger x2 from HF's init (``llava_next.PUBLISHED_INIT``: why)."""
+    family, _, text, vision, rope = PUBLISHED[name]
+    return _qwen_vl_dir(f"published-{name}-lm4-{QWEN_VL_CACHE_VERSION}", family, text, vision,
+                        PUBLISHED_IMAGE_TOKENS, (7, 4.0, 2.0), rope=rope, tie=True)
+
+
 def _mrope_section(text_size: dict) -> list[int]:
     """Rotary pairs per axis (time, height, width) over the head's half: [2, 3, 3] at head dim 16,
     Qwen2.5-VL's own [16, 24, 24] at 128."""
@@ -186,11 +215,12 @@ def _family_classes(family: str) -> tuple:
 
 
 def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, image_tokens: tuple[int, int],
-                 init: tuple[int, float, float]) -> Path:
+                 init: tuple[int, float, float], rope: dict | None = None, tie: bool = False) -> Path:
     """A random Qwen-VL model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5``) and the
     given sizes, with our tokenizer (vision specials included), the processor (images of
     ``image_tokens`` rows, min to max) and the chat template; ``init``: seed, language-model and
-    merger weight scales."""
+    merger weight scales; ``rope``: rotary settings over the tiny ones; ``tie``: tied embeddings.
+    A ``vocab_size`` in ``text_size`` sizes the embeddings past our tokenizer's."""
 
     def build(tmp: Path) -> None:
         from transformers import Qwen2VLImageProcessor
@@ -203,16 +233,18 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         # width axis) turn, so an image's 3-D positions change the answer (a wrong grid or 1-D
         # positions must fail the parity tests). Qwen3-VL interleaves the axes' frequencies (HF
         # always does; SGLang where the config says so, as real Qwen3-VL configs do).
-        rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)}
+        rope_parameters = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": _mrope_section(text_size)}
         if family in QWEN3_FAMILIES:
-            rope["mrope_interleaved"] = True
+            rope_parameters["mrope_interleaved"] = True
         if family in HYBRID_FAMILIES:  # rotary on a quarter of the head (Qwen3.5's own factor)
-            rope.update(partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
-        text = dict(vocab_size=len(tok), **text_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id, rope_parameters=rope)
+            rope_parameters.update(partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
+        rope_parameters.update(rope or {})
+        text = {"vocab_size": len(tok), **text_size, "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+                "rope_parameters": rope_parameters}
         vision = dict(**vision_size, patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH)
         config = config_class(
-            text_config=text, vision_config=vision, tie_word_embeddings=False,
+            text_config=text, vision_config=vision, tie_word_embeddings=tie,
             image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
             vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
             **({} if family in QWEN3_FAMILIES else dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -1,0 +1,171 @@
+"""Real sizes (#47 item 7): each family's smallest published member that fits this machine,
+served as a user serves it and checked against HF on the same weights.
+
+A model is a random-weight checkpoint at its published sizes (the published config.json's text
+and vision settings, written down in ``testing``: ``qwen_vl.PUBLISHED``,
+``llava_next.PUBLISHED_ONEVISION_TEXT``; HF's own init, float32, our small tokenizer with the
+embeddings at the published vocabulary size). It is started with ``sgl_embeds.serve.launch`` (split
+or native, as ``serve`` decides), reached with ``connect`` and asked one question about one
+image by ``programs.vqa``; then the server stops and HF's own VLM class answers the same prompt
+(greedy, float32): tokens under ``reference.check_greedy``'s counted near-tie rule, logprobs
+within ``reference.LOGPROB_TOL``, and HF's answer must change with another image.
+
+Recorded per model: checkpoint size; the server's load time (launch to ready) and memory (RSS
+summed over its processes, once ready and after the requests); the client's vision half (load
+time, one image's rows); time to first token of the image question (a one-token request: the
+first time, then again with its prefix cached); decode time per token; HF's load, answer time
+and memory. Not part of the test suite (minutes per model).
+
+    python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b] [--tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # programs/
+
+from common import RESULTS, provenance, save, table  # noqa: E402
+import sgl_embeds  # noqa: E402
+from programs.vqa import visual_qa  # noqa: E402
+from sgl_embeds.serve import launch  # noqa: E402
+from sgl_embeds.vlm import render_chat  # noqa: E402
+from sgl_embeds_testing import reference as ref  # noqa: E402
+from sgl_embeds_testing.llava_next import published_llava_onevision_dir  # noqa: E402
+from sgl_embeds_testing.encoders import synthetic_scene  # noqa: E402
+from sgl_embeds_testing.qwen_vl import PUBLISHED, hf_qwen_vl, published_qwen_vl_dir, qwen_vl_greedy  # noqa: E402
+
+QUESTION = "what is in the picture"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Model:
+    """A published checkpoint's size: its hub id, the builder of its random-weight copy, HF's
+    greedy on it and HF's model."""
+
+    hub_id: str
+    checkpoint: Callable[[], Path]
+    greedy: Callable  # (checkpoint, text, images, max_new_tokens, prefix=()) -> ref.Greedy
+    model: Callable[[str], object]
+
+
+MODELS = {
+    "llava_onevision_0_5b": Model("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", published_llava_onevision_dir,
+                                  ref.llava_greedy, lambda c: ref.hf_llava(c)[0]),
+    **{name: Model(PUBLISHED[name][1], functools.partial(published_qwen_vl_dir, name), qwen_vl_greedy,
+                   lambda c: hf_qwen_vl(c)[0]) for name in PUBLISHED},
+}
+
+
+def tree_rss(pid: int) -> float:
+    """Resident memory of ``pid`` and its descendants, in GB."""
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / GB
+
+
+def timed(call: Callable):
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+def run(name: str, tokens: int) -> dict:
+    model = MODELS[name]
+    checkpoint, build_s = timed(model.checkpoint)
+    size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / GB
+    print(f"[{name}] checkpoint {checkpoint} ({size:.2f} GB, {build_s:.0f} s to build or find)", flush=True)
+    image = synthetic_scene().resize((448, 448))  # sky, grass, a red square, a blue disc
+    other = image.transpose(0).rotate(90)  # mirrored and turned
+    served, load_s = timed(lambda: launch(checkpoint, "--enable-cache-report", timeout=3600))
+    try:
+        rss_ready = tree_rss(served.process.pid)
+        backend, connect_s = timed(lambda: sgl_embeds.connect(served.url, device="cpu"))
+        encoder = backend.vision_encoder
+        rows, vision_s = timed(lambda: encoder(image))
+        call = sgl_embeds.compile_program(visual_qa, like=backend, image=image, question=QUESTION,
+                                          max_tokens=tokens)[0]
+        one = {"temperature": 0, "max_new_tokens": 1}
+        _, ttft_cold = timed(lambda: backend.run(input_segments=call, sampling_params=one))
+        _, ttft_cached = timed(lambda: backend.run(input_segments=call, sampling_params=one))
+        out, answer_s = timed(lambda: backend.run(
+            input_segments=call, return_logprob=True, top_logprobs_num=ref.TOP_K,
+            sampling_params={"temperature": 0, "max_new_tokens": tokens}))
+        state = visual_qa.run(image=image, question=QUESTION, max_tokens=tokens, backend=backend)
+        assert state["answer"] == out["text"], (state["answer"], out["text"])
+        rss_end = tree_rss(served.process.pid)
+        vision_dir = backend.server_info.model.vision_dir
+        served_as = backend.server_info.model.served_as
+    finally:
+        served.stop()
+    text = render_chat(vision_dir, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
+    before = psutil.Process().memory_info().rss
+    hf, hf_load_s = timed(lambda: model.model(str(checkpoint)))
+    greedy = functools.partial(model.greedy, checkpoint, text, [image], tokens)
+    reference, hf_answer_s = timed(greedy)
+    hf_gb = (psutil.Process().memory_info().rss - before) / GB
+    try:
+        forgiven = ref.check_greedy(out["output_ids"], greedy, f"{name}: ", eos_ids=ref.eos_ids(hf))
+        compared = ref.assert_response_logprobs(out, reference, f"{name}: ")
+        verdict = f"equal ({len(out['output_ids'])} tokens, {forgiven} near-tie forgiven, {compared} logprobs within {ref.LOGPROB_TOL:.0e})"
+    except AssertionError as e:
+        verdict = f"DIFFERENT: {e}"
+    changes = model.greedy(checkpoint, text, [other], tokens).tokens != reference.tokens
+    print(f"[{name}] {verdict}; HF's answer changes with the image: {changes}", flush=True)
+    return dict(
+        model=name, hub_id=model.hub_id, served_as=served_as, checkpoint_gb=size,
+        parameters_b=sum(p.numel() for p in hf.parameters()) / 1e9, server_load_s=load_s,
+        server_rss_ready_gb=rss_ready, server_rss_end_gb=rss_end, connect_s=connect_s,
+        image_rows=int(getattr(rows, "rows", rows).shape[0]),  # a VisionRows on M-RoPE VLMs
+        vision_s=vision_s, ttft_cold_s=ttft_cold, ttft_cached_s=ttft_cached,
+        decode_s_per_token=(answer_s - ttft_cached) / max(1, len(out["output_ids"]) - 1),
+        prompt_tokens=out["meta_info"]["prompt_tokens"], ours=out["output_ids"], hf=reference.tokens,
+        distinct_tokens=len(set(reference.tokens)), tokens=verdict, hf_changes_with_image=changes,
+        hf_load_s=hf_load_s, hf_answer_s=hf_answer_s, hf_rss_gb=hf_gb)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--tokens", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(psutil.cpu_count())
+    for name in args.models.split(","):
+        report({**run(name, args.tokens), "provenance": provenance()})
+
+
+def report(measured: dict) -> None:
+    """Save the table with ``measured`` in it; the models not run this time keep their rows."""
+    kept = RESULTS / "real_size.json"
+    results = [r for r in json.loads(kept.read_text())["results"] if r["model"] != measured["model"]] \
+        if kept.exists() else []
+    results = sorted([*results, measured], key=lambda r: list(MODELS).index(r["model"]))
+    rows = [[r["model"], r["hub_id"], r["served_as"], f"{r['parameters_b']:.2f}", f"{r['checkpoint_gb']:.1f}",
+             f"{r['server_load_s']:.0f}", f"{r['server_rss_ready_gb']:.1f} / {r['server_rss_end_gb']:.1f}",
+             f"{r['connect_s']:.1f}", f"{r['image_rows']} in {r['vision_s']:.1f}",
+             f"{r['ttft_cold_s']:.1f} / {r['ttft_cached_s']:.2f}", f"{r['decode_s_per_token']:.2f}",
+             r["tokens"].split(":")[0].split(" (")[0], str(r["hf_changes_with_image"]).lower(),
+             f"{r['hf_load_s']:.0f} + {r['hf_answer_s']:.0f}", f"{r['hf_rss_gb']:.1f}"] for r in results]
+    text = table("Real sizes: random weights at the published sizes, float32, this machine", [
+        "model", "published as", "served", "params (B)", "checkpoint GB", "server load s",
+        "server RSS GB (ready / end)", "connect s", "image rows in s", "TTFT s (first / cached)",
+        "decode s/token", "tokens vs HF", "HF changes with image", "HF load + answer s", "HF RSS GB"], rows)
+    text += "\n"
+    for r in results:
+        text += (f"\n- {r['model']}: {r['prompt_tokens']} prompt tokens; ours {r['ours']}, HF {r['hf']}: "
+                 f"{r['tokens']}. Measured at {r['provenance']}")
+    save("real_size", {"results": results}, text)
+
+
+if __name__ == "__main__":
+    main()
