@@ -93,8 +93,9 @@ def grid_spans(draw, info: dict) -> dict:
     fields: dict = {} if kind == "plain" else {IMAGE_GRID if kind == "image" else VIDEO_GRID: [t, h, w]}
     wanted = vision["video_time"] if vision and kind == "clip" else None
     names = [wanted] if wanted else []
-    if fault == "time":
-        names = draw(st.sampled_from([other for other in TIME_NAMES if other != names] + [names]))
+    if fault == "time":  # the family's own fields of bad values as often as all the wrong fields
+        others = [other for other in TIME_NAMES if other != names]
+        names = _spread(draw, others + [names] * len(others))
     fields.update(_time_fields(draw, t, names, bad_values=fault == "time" and names == ([wanted] if wanted else [])))
     n = draw(st.integers(0, 30).filter(lambda k: k != right)) if fault == "rows" else right
     width = info["span_width"]

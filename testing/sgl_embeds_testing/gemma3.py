@@ -20,11 +20,12 @@ from transformers import (
 )
 
 from sgl_embeds.serve import build_once
+from sgl_embeds_testing.hub_layout import publish_layout
 from sgl_embeds_testing.models import (
     TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
 )
 
-GEMMA3_CACHE_VERSION = "v3"
+GEMMA3_CACHE_VERSION = "v4"  # v4: the processor files laid out as published
 IMAGE_SIZE, PATCH = 32, 8  # 4x4 patches
 ROWS_PER_IMAGE = 4  # mm_tokens_per_image: the patches pooled 2x2
 SLIDING_WINDOW = 8  # shorter than every test prompt; not shorter than an image's rows
@@ -103,6 +104,7 @@ def tiny_gemma3_dir(layout: str = "saved") -> Path:
         weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         processor.save_pretrained(tmp)
+        publish_layout(tmp, "gemma3")
         if layout == "model":
             _rename_to_model_layout(tmp)
 

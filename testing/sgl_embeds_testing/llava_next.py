@@ -24,10 +24,11 @@ from sgl_embeds_testing.models import (
     cache_dir, save_scaled_vlm, train_tokenizer,
 )
 from sgl_embeds.serve import build_once
+from sgl_embeds_testing.hub_layout import publish_layout
 from sgl_embeds.vlm import split
 from sgl_embeds.vlm.tower import CONFIG_NAME
 
-ANYRES_CACHE_VERSION = "v1"
+ANYRES_CACHE_VERSION = "v2"  # v2: the processor files laid out as published
 # The real checkpoints' pinpoints: LLaVA-1.6's (336 px tiles: 1x2, 2x1, 2x2, 1x3, 3x1 tiles) and
 # OneVision's (1 to 6 tiles a side at 384 px)
 NEXT_336_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
@@ -157,6 +158,7 @@ def _llava_next_dir(name: str, layout: str, vision: CLIPVisionConfig,
             vision_feature_select_strategy="default", num_additional_image_tokens=1,
             chat_template=LLAVA_CHAT_TEMPLATE)
         processor.save_pretrained(tmp)
+        publish_layout(tmp, "llava_next")
         if layout == "model":
             _rename_to_model_layout(tmp)
 
@@ -194,6 +196,7 @@ def _llava_onevision_dir(name: str, layout: str, vision: SiglipVisionConfig,
             vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
             chat_template=ONEVISION_CHAT_TEMPLATE)
         processor.save_pretrained(tmp)
+        publish_layout(tmp, "llava_onevision")
         if layout == "model":
             _rename_to_model_layout(tmp)
 

@@ -18,9 +18,10 @@ from transformers import (
 )
 
 from sgl_embeds.serve import build_once
+from sgl_embeds_testing.hub_layout import publish_layout
 
 CACHE_VERSION = "v1"
-LLAVA_CACHE_VERSION = "v2"
+LLAVA_CACHE_VERSION = "v3"  # v3: the processor files laid out as published
 TINY_VOCAB = 512
 TINY_HIDDEN = 64  # the tiny language models' width
 _CORPUS_WORDS = (
@@ -184,6 +185,7 @@ def tiny_llava_dir(arch: str = "llama", layout: str = "saved") -> Path:
             num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE,
         )
         processor.save_pretrained(tmp)
+        publish_layout(tmp, "llava")
         if layout == "model":
             _rename_to_model_layout(tmp)
 

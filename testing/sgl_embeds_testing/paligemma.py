@@ -20,11 +20,12 @@ from transformers import (
 )
 
 from sgl_embeds.serve import build_once
+from sgl_embeds_testing.hub_layout import publish_layout
 from sgl_embeds_testing.models import (
     TINY_HIDDEN, _rename_to_model_layout, cache_dir, save_scaled_vlm, train_tokenizer,
 )
 
-PALIGEMMA_CACHE_VERSION = "v2"
+PALIGEMMA_CACHE_VERSION = "v3"  # v3: the processor files laid out as published
 _FINAL_NORM = "language_model.model.norm.weight"
 IMAGE_SIZE, PATCH = 32, 8  # 16 rows an image
 ROWS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
@@ -87,6 +88,7 @@ def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
         weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         processor.save_pretrained(tmp)
+        publish_layout(tmp, "paligemma")
         if layout == "model":
             _rename_to_model_layout(tmp)
 

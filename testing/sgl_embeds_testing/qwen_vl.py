@@ -19,10 +19,11 @@ import torch
 
 from sgl_embeds.serve import build_once
 from sgl_embeds_testing.models import cache_dir, train_tokenizer
+from sgl_embeds_testing.hub_layout import publish_layout
 from sgl_embeds_testing.reference import Greedy, _greedy_from_scores
 from sgl_embeds_protocol.family import FAMILIES, NATIVE
 
-QWEN_VL_CACHE_VERSION = "v5"  # v5: the tiny Qwen3-VL has three deepstack layers, as published ones
+QWEN_VL_CACHE_VERSION = "v6"  # v6: the processor files laid out as published (hub_layout.py)
 # v5: as transformers saves them, without the fields SGLang reads and they lack (serve writes
 # them: serve.hybrid_config_fixes)
 HYBRID_CACHE_VERSION = "v5"
@@ -283,6 +284,7 @@ def _qwen_vl_dir(name: str, family: str, text_size: dict, vision_size: dict, ima
         # and the classic files, for loaders that read the image processor on its own
         processor.image_processor.save_pretrained(tmp)  # preprocessor_config.json
         processor.video_processor.save_pretrained(tmp)  # video_preprocessor_config.json
+        publish_layout(tmp, family)
 
     return build_once(cache_dir() / name, build)
 

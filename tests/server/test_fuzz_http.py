@@ -181,6 +181,7 @@ def _assert_well_formed(route: str, answer: dict, vocab: int) -> None:
 @given(data=st.data())
 def test_random_prompts_never_cause_a_server_error(served, server_name, data):
     server, info, handle = served
+    _hold(server, info)  # again: a held span let go since (the server's store is shared) hides deeper checks
     segments = data.draw(prompts(info, handle), "segments")
     route = data.draw(st.sampled_from(sorted(PROMPT_ROUTES)), "route")
     binary = data.draw(st.booleans(), "binary")
@@ -264,10 +265,11 @@ QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": t
 # The split LLaVA servers -> their checkpoint's name in the ``llava_dirs`` fixture
 LLAVA_SERVERS = {"llava_llama": "llama", "llava_next": "llava_next", "llava_onevision": "llava_onevision"}
 # What the fuzzed prompts must have reached, beyond some 200s and some 4xx, each one of some
-# outcomes: on the M-RoPE VLMs served images and clips, a grid check's refusal and a clip's time
-# check's; elsewhere served spans and the refusal of a grid
-GRID_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1")
-REACHED = {name: [("200 image",), ("200 clip",), GRID_CHECKS, ("4xx clip time",)] for name in QWEN_VL_CHECKPOINTS}
+# outcomes: on the M-RoPE VLMs served images and clips, and the refusal of a grid's or a clip's
+# time (the checks behind all others: one stream of 50 reached either, not always both; each is
+# reached by name in every judged example below); elsewhere served spans and the refusal of a grid
+DEEP_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1", "4xx clip time")
+REACHED = {name: [("200 image",), ("200 clip",), DEEP_CHECKS] for name in QWEN_VL_CHECKPOINTS}
 # and the attention field: a block served or a bad value refused. Either, not both: whether a
 # drawn block is served depends on the prompt's other spans (a held handle the server may have let
 # go earlier in the suite is refused), so a fixed stream may serve none; blocks served are

@@ -174,11 +174,13 @@ def test_rows_equal_hf_inputs_embeds_at_the_image_tokens(vlm, backend):
     ref.assert_rows_close(encoder(b), two[1], "second of two")
 
 
-def _edited_copy(src, dst, config=None, processor=None, weights=None):
+def _edited_copy(src, dst, config=None, processor=None, image=None, weights=None):
     """A copy of the checkpoint ``src`` with ``config(dict)``, ``processor(dict)`` (the processor's
-    settings, ``processor_config.json``) and ``weights(dict)`` applied in place."""
+    settings, ``processor_config.json``), ``image(dict)`` (the image processor's,
+    ``preprocessor_config.json``) and ``weights(dict)`` applied in place."""
     shutil.copytree(src, dst)
-    for name, edit in (("config.json", config), ("processor_config.json", processor)):
+    for name, edit in (("config.json", config), ("processor_config.json", processor),
+                       ("preprocessor_config.json", image)):
         if edit is not None:
             d = json.loads((dst / name).read_text())
             edit(d)
@@ -317,15 +319,15 @@ REFUSALS = {
         "unknown projector type.*multi_modal_projector.linear_3.weight"),
     ("llava_next", "newline"): (dict(weights=lambda s: s.pop("image_newline")), "missing image_newline"),
     ("llava_next", "image processor"): (
-        dict(processor=_set("image_processor", "image_processor_type", "CLIPImageProcessor")),
+        dict(image=_set("image_processor_type", "CLIPImageProcessor")),
         "the image processor is a CLIPImageProcessor"),
-    ("llava_next", "pinpoints"): (dict(processor=_set("image_processor", "image_grid_pinpoints", [[32, 64]])),
+    ("llava_next", "pinpoints"): (dict(image=_set("image_grid_pinpoints", [[32, 64]])),
                                   "image_grid_pinpoints \\[\\[32, 64\\]\\] differs"),
     ("llava_next", "pinpoint in tiles"): (
         dict(config=_set("image_grid_pinpoints", [[32, 48]]),
-             processor=_set("image_processor", "image_grid_pinpoints", [[32, 48]])),
+             image=_set("image_grid_pinpoints", [[32, 48]])),
         "image_grid_pinpoints entry \\[32, 48\\] is not a \\(height, width\\) in whole tiles"),
-    ("llava_next", "tile size"): (dict(processor=_set("image_processor", "crop_size", {"height": 28, "width": 28})),
+    ("llava_next", "tile size"): (dict(image=_set("crop_size", {"height": 28, "width": 28})),
                                   "the image processor makes .* pixel values"),
     ("llava_next", "patch size"): (dict(processor=_set("patch_size", 16)), "the processor expands '<image>' into"),
     ("llava_onevision", "strategy with the tower"): (

@@ -1,7 +1,11 @@
 """Every program in programs/ on a server of each vision family: the tiny LLaVA-1.5, Qwen2.5-VL,
 Gemma 3 and Gemma 4 (E2B layout) launched by ``python -m sgl_embeds serve`` and the split
 LLaVA-NeXT's LLM (pool servers ``llava_llama``, ``qwen_vl``, ``gemma3_vlm``, ``gemma4_vlm``,
-``llava_next``), through ``sgl_embeds.connect(url)``.
+``llava_next``), through ``sgl_embeds.connect(url)``; ``visual_qa`` on every other family served
+(Qwen2-VL, Qwen3-VL, Qwen3.5, Qwen3.5-MoE, LLaVA-OneVision, Gemma 4 26B / 31B; PaliGemma, which
+has no chat, in test_paligemma_programs.py). The checkpoints are laid out as the families publish
+them (``sgl_embeds_testing.hub_layout``: the chat template in chat_template.json or the tokenizer's
+config, the image processor's settings in preprocessor_config.json), and ``connect`` warns of nothing.
 For each, one of its calls is sent again with logprobs and its answer is the program's; the call's
 prompt is the one HF's processor renders for the same conversation (the model's own chat template
 and image text, written by ``connect``'s template and ``image_part``; the Gemmas' images expanded
@@ -12,6 +16,7 @@ score does, HF's reference changing with the image."""
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,9 +29,12 @@ from programs import caption_regions, classify, compare_images, extract_attribut
 from sgl_embeds_testing import reference as ref
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
-from sgl_embeds_testing.llava_next import tiny_llava_next_dir
+from sgl_embeds_testing.hub_layout import HUB_LAYOUTS, layout_of
+from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds_testing.models import tiny_llava_dir
-from sgl_embeds_testing.qwen_vl import hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir
+from sgl_embeds_testing.paligemma import tiny_paligemma_dir
+from sgl_embeds_testing.qwen_vl import (hf_qwen_vl, qwen_vl_greedy, qwen_vl_inputs, tiny_qwen2_5_vl_dir,
+                                         tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir, tiny_qwen3_vl_dir)
 from sgl_embeds.vision import crop, encode_region
 from sgl_embeds.vlm import render_chat
 from sgl_embeds_protocol import segments as seg
@@ -49,18 +57,27 @@ class Family:
     greedy: Callable  # (checkpoint, text, images, max_new_tokens, prefix=()) -> ref.Greedy
     inputs: Callable  # (checkpoint, text, images) -> the processor's tensors
     model: Callable  # checkpoint (str) -> HF's model
+    programs: tuple[str, ...] | None = None  # the cases run on it (None: all)
+    own_vision: bool = False  # connect given the checkpoint's vision half (the server's tower is NaN)
 
 
 LLAVA = dict(greedy=ref.llava_greedy, inputs=ref.llava_inputs, model=lambda c: ref.hf_llava(c)[0])
+QWEN_VL = dict(greedy=qwen_vl_greedy, inputs=qwen_vl_inputs, model=lambda c: hf_qwen_vl(c)[0])
+GEMMA4 = dict(greedy=ref.gemma4_greedy, inputs=ref.gemma4_inputs, model=lambda c: ref.hf_gemma4(c)[0])
+VQA_ONLY = dict(programs=("vqa",))
 FAMILIES = {
     "llava": Family("llava_llama", lambda: tiny_llava_dir("llama"), **LLAVA),
     "llava_next": Family("llava_next", tiny_llava_next_dir, **LLAVA),
-    "qwen2_5_vl": Family("qwen_vl", tiny_qwen2_5_vl_dir, qwen_vl_greedy, qwen_vl_inputs,
-                         lambda c: hf_qwen_vl(c)[0]),
+    "qwen2_5_vl": Family("qwen_vl", tiny_qwen2_5_vl_dir, **QWEN_VL),
     "gemma3": Family("gemma3_vlm", tiny_gemma3_dir, ref.gemma3_greedy, ref.gemma3_inputs,
                      lambda c: ref.hf_gemma3(c)[0]),
-    "gemma4": Family("gemma4_vlm", lambda: tiny_gemma4_dir("e2b"), ref.gemma4_greedy, ref.gemma4_inputs,
-                     lambda c: ref.hf_gemma4(c)[0]),
+    "gemma4": Family("gemma4_vlm", lambda: tiny_gemma4_dir("e2b"), **GEMMA4),
+    "llava_onevision": Family("llava_onevision", tiny_llava_onevision_dir, **LLAVA, **VQA_ONLY),
+    "qwen2_vl": Family("qwen2_vl_spans", tiny_qwen2_vl_dir, **QWEN_VL, **VQA_ONLY, own_vision=True),
+    "qwen3_vl": Family("qwen3_vl", tiny_qwen3_vl_dir, **QWEN_VL, **VQA_ONLY),
+    "qwen3_5": Family("qwen3_5", tiny_qwen3_5_dir, **QWEN_VL, **VQA_ONLY, own_vision=True),
+    "qwen3_5_moe": Family("qwen3_5_moe", tiny_qwen3_5_moe_dir, **QWEN_VL, **VQA_ONLY, own_vision=True),
+    "gemma4_31b": Family("gemma4_31b_vlm", lambda: tiny_gemma4_dir("31b"), **GEMMA4, **VQA_ONLY),
 }
 
 
@@ -127,12 +144,18 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def connected(servers):
-    """``connected(family)``: ``sgl_embeds.connect`` to the family's pool server (made once)."""
+    """``connected(family)``: ``sgl_embeds.connect`` to the family's pool server (made once),
+    which must warn of nothing (a template or processor setting not found warns)."""
     made = {}
 
     def backend(family: str):
         if family not in made:
-            made[family] = sgl_embeds.connect(servers.get(FAMILIES[family].server)[0].url, device="cpu")
+            fam = FAMILIES[family]
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                made[family] = sgl_embeds.connect(servers.get(fam.server)[0].url, device="cpu",
+                                                  vision=fam.checkpoint() if fam.own_vision else None)
+            assert not seen, [f"{w.category.__name__}: {w.message}" for w in seen]
         return made[family]
 
     return backend
@@ -161,8 +184,12 @@ def hf_select_scores(family: Family, text: str, images: list, choices: list[str]
     return scores
 
 
-@pytest.mark.parametrize("name", list(CASES))  # (family by family: its server stays up for its cases)
-@pytest.mark.parametrize("family", helpers.pooled(FAMILIES, lambda f: FAMILIES[f].server))
+# (family by family: its server stays up for its cases)
+RUNS = [pytest.param(family, name, marks=pytest.mark.pooled(fam.server), id=f"{family}-{name}")
+        for family, fam in FAMILIES.items() for name in CASES if fam.programs is None or name in fam.programs]
+
+
+@pytest.mark.parametrize("family,name", RUNS)
 def test_each_program_on_each_family_writes_the_models_prompt_and_answers_like_hf(name, family, connected):
     case, fam = CASES[name], FAMILIES[family]
     backend = connected(family)
@@ -200,3 +227,17 @@ def test_each_program_on_each_family_writes_the_models_prompt_and_answers_like_h
     if case.program is grounded_chat:  # the second turn reuses the image and the first turn
         rows = sum(s.rows.shape[0] for s in call if isinstance(s, seg.Span))
         assert state["cached"][1] >= rows, (state["cached"], rows)
+
+
+# the checkpoint of each family a hub layout is written for (PaliGemma's: test_paligemma_programs.py's)
+PUBLISHED = {"paligemma": lambda: tiny_paligemma_dir(1),
+             **{family: FAMILIES[family].checkpoint for family in HUB_LAYOUTS if family != "paligemma"}}
+
+
+@pytest.mark.parametrize("family", sorted(HUB_LAYOUTS))
+def test_the_served_checkpoints_are_laid_out_as_published(family):
+    """The tiny checkpoints the servers above run hold their processor files where the family's
+    published repositories do (``hub_layout.HUB_LAYOUTS``), not where transformers 5 saves them."""
+    published = HUB_LAYOUTS[family]
+    assert layout_of(PUBLISHED[family]()) == dict(templates=published.templates, processor_config=published.processor_config,
+                                                  nested=False, image_config=True, video_config=published.video_config)
