@@ -16,7 +16,10 @@ time, one image's rows); time to first token of the image question (a one-token 
 first time, then again with its prefix cached); decode time per token; HF's load, answer time
 and memory. Not part of the test suite (minutes per model).
 
-    python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b] [--tokens 8]
+    python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b,qwen2_vl_2b] [--tokens 8]
+
+Qwen2.5-VL-3B is defined but not run here: its server (float32 weights, 15 GB, and its KV pool)
+and the client would not fit 24 GB beside each other.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def bench_qwen3_vl_dir() -> Path:
 
 
 # Published sizes (each checkpoint's config.json: text, vision, rotary), for random-weight copies
-# with our tokenizer (benchmarks/real_size.py); both tie their word embeddings
+# with our tokenizer (benchmarks/real_size.py); all three tie their word embeddings
 PUBLISHED = {
     "qwen3_vl_2b": ("qwen3_vl", "Qwen/Qwen3-VL-2B-Instruct", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -105,6 +105,11 @@ PUBLISHED = {
         depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
         num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
         {"rope_theta": 5e6, "mrope_section": [24, 20, 20]}),
+    "qwen2_vl_2b": ("qwen2_vl", "Qwen/Qwen2-VL-2B-Instruct", dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6), dict(
+        depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, hidden_act="quick_gelu"),
+        {"rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
     "qwen2_5_vl_3b": ("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", dict(
         hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6), dict(
