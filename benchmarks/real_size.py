@@ -143,26 +143,39 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(psutil.cpu_count())
-    for name in args.models.split(","):
+    names = [name for name in args.models.split(",") if name]
+    for name in names:
         report({**run(name, args.tokens), "provenance": provenance()})
+    if not names:  # --models '': the table again from the saved results
+        report(None)
 
 
-def report(measured: dict) -> None:
-    """Save the table with ``measured`` in it; the models not run this time keep their rows."""
+def _logprobs(verdict: str) -> str:
+    """The logprob part of a run's verdict: within the tolerance, or the first gap over it (the
+    check stops there)."""
+    if verdict.startswith("equal"):
+        return f"within {ref.LOGPROB_TOL:.0e}"
+    return verdict.split(": ", 2)[-1] if "logprob" in verdict else "not compared"
+
+
+def report(measured: dict | None) -> None:
+    """Save the table with ``measured`` in it (None: as saved); the models not run this time keep
+    their rows."""
     kept = RESULTS / "real_size.json"
-    results = [r for r in json.loads(kept.read_text())["results"] if r["model"] != measured["model"]] \
-        if kept.exists() else []
-    results = sorted([*results, measured], key=lambda r: list(MODELS).index(r["model"]))
+    results = json.loads(kept.read_text())["results"] if kept.exists() else []
+    if measured is not None:
+        results = [*(r for r in results if r["model"] != measured["model"]), measured]
+    results = sorted(results, key=lambda r: list(MODELS).index(r["model"]))
     rows = [[r["model"], r["hub_id"], r["served_as"], f"{r['parameters_b']:.2f}", f"{r['checkpoint_gb']:.1f}",
              f"{r['server_load_s']:.0f}", f"{r['server_rss_ready_gb']:.1f} / {r['server_rss_end_gb']:.1f}",
              f"{r['connect_s']:.1f}", f"{r['image_rows']} in {r['vision_s']:.1f}",
              f"{r['ttft_cold_s']:.1f} / {r['ttft_cached_s']:.2f}", f"{r['decode_s_per_token']:.2f}",
-             r["tokens"].split(":")[0].split(" (")[0], str(r["hf_changes_with_image"]).lower(),
+             "equal" if r["ours"] == r["hf"] else "DIFFERENT", _logprobs(r["tokens"]), str(r["hf_changes_with_image"]).lower(),
              f"{r['hf_load_s']:.0f} + {r['hf_answer_s']:.0f}", f"{r['hf_rss_gb']:.1f}"] for r in results]
     text = table("Real sizes: random weights at the published sizes, float32, this machine", [
         "model", "published as", "served", "params (B)", "checkpoint GB", "server load s",
         "server RSS GB (ready / end)", "connect s", "image rows in s", "TTFT s (first / cached)",
-        "decode s/token", "tokens vs HF", "HF changes with image", "HF load + answer s", "HF RSS GB"], rows)
+        "decode s/token", "tokens vs HF", "logprobs vs HF", "HF changes with image", "HF load + answer s", "HF RSS GB"], rows)
     text += "\n"
     for r in results:
         text += (f"\n- {r['model']}: {r['prompt_tokens']} prompt tokens; ours {r['ours']}, HF {r['hf']}: "
