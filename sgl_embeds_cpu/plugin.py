@@ -40,12 +40,13 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
     """The CPU-only hooks of SGLang's engine (targets in ``sgl_embeds_protocol.targets.PATCHED``)."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sgl_embeds_cpu import attention, fused
+    from sgl_embeds_cpu import attention, children, fused
     from sgl_embeds_protocol import targets
 
     table = {
         targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
         targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
+        targets.SET_ENVS_AND_CONFIG: (HookType.AROUND, children.set_envs_and_config),
     }
     if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)

@@ -75,6 +75,8 @@ GEMMA4_BACKEND_CHECK = "sglang.srt.arg_groups.model_hook.handle_model_specific_a
 GEMMA4_PER_LAYER_INPUTS = "sglang.srt.models.gemma4_causal.Gemma4TextModel.forward"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
+# Server main process: the start method of its scheduler and detokenizer (sgl_embeds_cpu.children)
+SET_ENVS_AND_CONFIG = "sglang.srt.entrypoints.engine._set_envs_and_config"
 # Tokenizer-manager (HTTP) process
 ADD_LOGPROB_TO_META_INFO = f"{_TM}.add_logprob_to_meta_info"
 INIT_EMBEDS_TRANSPORT = f"{_TM}.init_positional_embeds_transport"
@@ -150,6 +152,8 @@ PATCHED: dict[str, Guard] = {
     # Qwen3.5-MoE's shared-expert gate (Qwen2MoeSparseMoeBlock.forward, use_fused_gate unless
     # AMX): a Triton launch, which finds no driver on CPU; sgl_embeds_cpu.fused.gate_sigmoid_mul computes it
     GATE_SIGMOID_MUL: server("_fused_gate_sigmoid_mul_add_kernel", "do_add", fp="c87c9d4e8809146c"),
+    # SGLang sets spawn for its children here; on CPU, sgl_embeds_cpu.children.set_envs_and_config sets fork after it
+    SET_ENVS_AND_CONFIG: server('mp.set_start_method("spawn", force=True)', fp="6bb7501499ef26fd"),
     EXECUTOR_INIT: client("self.images_ = []", fp="f0cffaf41e3c2329"),
     EXECUTE: client("SglImage", "Unknown type", fp="ae059cff582e1661"),
     FORK: client("images_", "text_", fp="062ebfc3617be817"),
