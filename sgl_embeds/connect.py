@@ -18,6 +18,7 @@ from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vision import encode_region
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.vlm.prompt import model_chat_template
+from sgl_embeds_protocol.family import family_of
 from sgl_embeds_protocol.info import ServedModel
 
 # A small grey image: what an encoder that does not state its fit is run on once, to see it
@@ -49,7 +50,7 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
         if problem:
             raise ValueError(f"the vision encoder does not fit the model at {url}: {problem}")
     backend.vision_encoder = vision
-    if folder is not None and "chat_template_name" not in endpoint_options:
+    if folder is not None and "chat_template_name" not in endpoint_options and _has_chat(served):
         try:
             backend.chat_template = model_chat_template(folder, vision.image_token,
                                                         getattr(vision, "image_text", None),
@@ -58,6 +59,13 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
             warnings.warn(f"{e}; sgl.user / sgl.assistant keep SGLang's chat template "
                           f"{backend.chat_template.name!r}", stacklevel=2)
     return backend
+
+
+def _has_chat(served: ServedModel) -> bool:
+    """Whether the served family is prompted by chat turns: a prefix LM (PaliGemma) has no chat
+    template, its processor lays the prompt out (``vlm.paligemma.prompt_text``)."""
+    family = family_of(served.family)
+    return family is None or not family.prefix_lm
 
 
 def _served_vision_dir(url: str, served: ServedModel) -> str | None:

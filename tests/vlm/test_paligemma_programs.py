@@ -12,6 +12,7 @@ same constrained decoding and the same region pixels give the same tokens.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import sglang as sgl
@@ -39,7 +40,13 @@ QUESTIONS = {1: "caption en", 2: "answer en what is it"}
 
 @functools.cache
 def _backend(url: str):
-    return sgl_embeds.connect(url)
+    """``connect`` to a PaliGemma server laid out as published (no chat template: none is
+    looked for), which warns of nothing."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        backend = sgl_embeds.connect(url)
+    assert not seen, [f"{w.category.__name__}: {w.message}" for w in seen]
+    return backend
 
 
 def _images() -> list[Image.Image]:
