@@ -51,8 +51,10 @@ pytestmark = pytest.mark.per_server  # each family's tests where its server runs
 LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
 PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 50, 3)
 VALID_PER_EXAMPLE = 4  # and one prompt with each fault of the family
-# the random prompts' stream in CI, the same whichever tests run beside it (a long run: random)
-FIXED_PROMPTS = seed(0) if not LONG else (lambda test: test)
+# the random prompts' stream in CI, the same whichever tests run beside it (a long run: random);
+# seed 0's stream reached no grid or clip-time refusal on Qwen3-VL's servers, 1's and 2's reached
+# every outcome asked on each kind of server (measured); SGL_EMBEDS_FUZZ_SEED tries another
+FIXED_PROMPTS = seed(int(os.environ.get("SGL_EMBEDS_FUZZ_SEED", "1"))) if not LONG else (lambda test: test)
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ONE_TOKEN = {"max_new_tokens": 1}
