@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# named here, not taken from ``sgl_embeds.vlm.files.TEMPLATE_FILES``: these are the hub's files, and
+# what the code under test reads must not decide what the tests' checkpoints hold
 JINJA, TEMPLATE_JSON, TOKENIZER_CONFIG = "chat_template.jinja", "chat_template.json", "tokenizer_config.json"
 PROCESSOR, IMAGE_PROCESSOR, VIDEO_PROCESSOR = ("processor_config.json", "preprocessor_config.json",
                                                "video_preprocessor_config.json")

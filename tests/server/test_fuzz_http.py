@@ -52,9 +52,9 @@ LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
 PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 50, 3)
 VALID_PER_EXAMPLE = 4  # and one prompt with each fault of the family
 # the random prompts' stream in CI, the same whichever tests run beside it (a long run: random);
-# seed 0's stream reached no grid or clip-time refusal on Qwen3-VL's servers, 1's and 2's reached
-# every outcome asked on each kind of server (measured); SGL_EMBEDS_FUZZ_SEED tries another
-FIXED_PROMPTS = seed(int(os.environ.get("SGL_EMBEDS_FUZZ_SEED", "1"))) if not LONG else (lambda test: test)
+# of seeds 0 to 4, only 3's stream reached a grid refusal and a clip-time refusal on every kind of
+# M-RoPE server (measured); SGL_EMBEDS_FUZZ_SEED tries another
+FIXED_PROMPTS = seed(int(os.environ.get("SGL_EMBEDS_FUZZ_SEED", "3"))) if not LONG else (lambda test: test)
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ONE_TOKEN = {"max_new_tokens": 1}
@@ -271,11 +271,10 @@ QWEN_VL_CHECKPOINTS = {"qwen_vl_spans": tiny_qwen2_5_vl_dir, "qwen3_vl_spans": t
 # The split LLaVA servers -> their checkpoint's name in the ``llava_dirs`` fixture
 LLAVA_SERVERS = {"llava_llama": "llama", "llava_next": "llava_next", "llava_onevision": "llava_onevision"}
 # What the fuzzed prompts must have reached, beyond some 200s and some 4xx, each one of some
-# outcomes: on the M-RoPE VLMs served images and clips, and the refusal of a grid's or a clip's
-# time (the checks behind all others: one stream of 50 reached either, not always both; each is
-# reached by name in every judged example below); elsewhere served spans and the refusal of a grid
-DEEP_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1", "4xx clip time")
-REACHED = {name: [("200 image",), ("200 clip",), DEEP_CHECKS] for name in QWEN_VL_CHECKPOINTS}
+# outcomes: on the M-RoPE VLMs served images and clips, a grid check's refusal and a clip's time
+# check's; elsewhere served spans and the refusal of a grid
+GRID_CHECKS = ("4xx grid rows", "4xx grid form", "4xx grid sides", "4xx image t = 1")
+REACHED = {name: [("200 image",), ("200 clip",), GRID_CHECKS, ("4xx clip time",)] for name in QWEN_VL_CHECKPOINTS}
 # and the attention field: a block served or a bad value refused. Either, not both: whether a
 # drawn block is served depends on the prompt's other spans (a held handle the server may have let
 # go earlier in the suite is refused), so a fixed stream may serve none; blocks served are
