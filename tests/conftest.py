@@ -23,6 +23,7 @@ import math
 
 import pytest
 import torch
+from hypothesis.internal.conjecture import providers as hypothesis_providers
 
 if not torch.cuda.is_available():
     # this process imports SGLang's CPU path (unit tests, test helpers that start an Engine), and
@@ -44,6 +45,18 @@ from sgl_embeds_testing.qwen_vl import (
 )
 from sgl_embeds_testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
 from sgl_embeds_testing.server import Gateway, Server, ServerPool, free_port
+
+def pytest_configure(config):
+    # Hypothesis draws some values from the literals of every local module imported so far
+    # (providers._get_local_constants), so a seeded stream changed with the tests collected beside
+    # it and with any edit anywhere: the fuzzers' fixed examples reached a check in one run and
+    # missed it in CI's. Without that pool a seed's stream depends on the seed and the strategies
+    # alone (tests/unit/test_fuzz_streams.py).
+    assert callable(getattr(hypothesis_providers, "_get_local_constants", None)), \
+        "hypothesis moved _get_local_constants: the fuzzers' seeded streams are no longer fixed (tests/conftest.py)"
+    hypothesis_providers._get_local_constants = hypothesis_providers.Constants
+    hypothesis_providers.CONSTANTS_CACHE.cache.clear()
+
 
 # Each server holds ~2 GB (its three processes; a tiny Llama's: 1.96 GB by `free`) and a test may
 # start more of its own, inside this cap (``ServerPool.make_room``). Six: the run peaked at 19.4 GB
