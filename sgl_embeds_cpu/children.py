@@ -4,8 +4,10 @@ our applied hooks (SGLang's ``load_plugins`` then does nothing: it is done). Mea
 Llama: ready after 16-18 s instead of 27-31 s, 16-18 s of CPU for the server instead of 38-41.
 
 Only where fork is safe: a CPU server (no CUDA context to inherit) whose process is still single-
-threaded when SGLang picks the start method (a server's main process is, there; a notebook or a
-test process with threads keeps spawn)."""
+threaded when SGLang picks the start method and has launched nothing before (a server's main
+process, there; a notebook, a test process with threads, or a process that ran an Engine before
+keeps spawn: the earlier Engine's zmq I/O threads, which ``threading`` does not see, deadlocked
+a scheduler forked beside them, seen on a second Engine in one process)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ import threading
 from typing import Any, Callable
 
 
+_launched_before = False  # an Engine or server already launched from this process
+
+
 def set_envs_and_config(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang's ``_set_envs_and_config`` (which sets spawn), then fork where it is safe."""
+    global _launched_before
     result = original(server_args, *args, **kwargs)
-    if server_args.device == "cpu" and threading.active_count() == 1:
+    if server_args.device == "cpu" and not _launched_before and threading.active_count() == 1:
         multiprocessing.set_start_method("fork", force=True)
+    _launched_before = True
     return result

@@ -58,10 +58,11 @@ def pytest_configure(config):
     hypothesis_providers.CONSTANTS_CACHE.cache.clear()
 
 
-# Each server holds ~2 GB (its three processes; a tiny Llama's: 1.96 GB by `free`) and a test may
-# start more of its own, inside this cap (``ServerPool.make_room``). Six: the run peaked at 19.4 GB
-# of 24 GB used and launched 29 times (35 with four: each launch is ~30 s of CPU on two cores)
-MAX_RUNNING = 6
+# Each server holds ~1.5 GB (its three processes, children forked: a tiny Llama's PSS 1.47 GB; 1.96
+# GB by `free` when they were spawned) and a test may start more of its own, inside this cap
+# (``ServerPool.make_room``). Eight: 27 launches for the run's 22 servers (29 with six, 35 with
+# four; each launch is ~17 s of CPU, most of it SGLang's own import)
+MAX_RUNNING = 8
 POOL_KEY = pytest.StashKey[ServerPool]()
 # the pool's Llama server and a second one like it: one launch fewer than two of the gateway's own
 # (the gateway tests measure each worker's counts as differences, so what the first one served
