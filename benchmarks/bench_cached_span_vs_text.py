@@ -14,7 +14,7 @@ request by request (order rotated every round):
   the same low-level HTTP client;
 * ``span by handle``: the rows uploaded once (``POST /sgl_embeds/spans``), then ``{"handle": ...}``;
 * ``span by handle, rows to the scheduler every time``: the same, on a second plugin server with
-  ``SGL_EMBEDS_ROWS_BY_HANDLE=0`` (the HTTP process then hands the rows to the scheduler with every
+  ``SGLANG_EMBEDS_ROWS_BY_HANDLE=0`` (the HTTP process then hands the rows to the scheduler with every
   request, as before ``srt/transport.py``): what that transport saves;
 * ``EmbedsEndpoint.run``: the client as a user calls it (inline on the first call, by handle after);
 * ``program``: an ``@sgl.function`` with ``sgl.embeds(rows)`` and ``sgl.gen`` on ``EmbedsEndpoint``;
@@ -177,7 +177,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results, profile = {}, {}
     with (server(model_dir, True, ["--enable-cache-report"]) as s,
-          server(model_dir, True, ["--enable-cache-report"], env={"SGL_EMBEDS_ROWS_BY_HANDLE": "0"}) as s_off,
+          server(model_dir, True, ["--enable-cache-report"], env={"SGLANG_EMBEDS_ROWS_BY_HANDLE": "0"}) as s_off,
           server(model_dir, True, ["--enable-cache-report", "--enable-http2"]) if args.granian
           else nullcontext() as s_granian):
         for n in sizes:

@@ -9,7 +9,7 @@ and crashes a float32 server), all servers of the same build running side by sid
   alone gives, on the same wire as stock;
 * ``ours base64``: the plugin, the span as base64 bfloat16 inside ``input_segments`` (text as ids):
   adds the binary wire;
-* ``ours base64, stock attention``: as above on a server with ``SGL_EMBEDS_CPU_ATTENTION=0``
+* ``ours base64, stock attention``: as above on a server with ``SGLANG_EMBEDS_CPU_ATTENTION=0``
   (SGLang's own torch-native extend attention instead of ours, which attends only the new queries).
 
 Requests rotate over the sides question by question (the order shifts every question), so
@@ -78,7 +78,7 @@ def main() -> None:
     with ExitStack() as stack:
         stock = stack.enter_context(server(model, False, ["--disable-radix-cache"], dtype="bfloat16"))
         ours = stack.enter_context(server(model, True, dtype="bfloat16"))
-        ours_stock_attn = stack.enter_context(server(model, True, dtype="bfloat16", env={"SGL_EMBEDS_CPU_ATTENTION": "0"}))
+        ours_stock_attn = stack.enter_context(server(model, True, dtype="bfloat16", env={"SGLANG_EMBEDS_CPU_ATTENTION": "0"}))
         urls = {"stock JSON": stock.url, "ours JSON": ours.url, "ours base64": ours.url,
                 "ours base64, stock attention": ours_stock_attn.url}
         main_res = {side: summarize(rs) for side, rs in run(urls, bodies(tok, table_, span(args.rows), args.questions), 1).items()}

@@ -24,9 +24,9 @@ from sgl_embeds_testing.server import Server
 RESULTS = Path(__file__).with_name("results")
 # Stock: ``SGLANG_PLUGINS`` filters the platform entry points too, so it names the CPU kernels'
 # plugin (its sgl_kernel stand-ins: without them a CPU server exits at startup, as it did here from
-# 4bb38f2 on) and not the span plugin; SGL_EMBEDS_CPU_ATTENTION=0 keeps SGLang's own attention.
+# 4bb38f2 on) and not the span plugin; SGLANG_EMBEDS_CPU_ATTENTION=0 keeps SGLang's own attention.
 # On a GPU the CPU kernels' plugin does nothing.
-STOCK_ENV = {"SGLANG_PLUGINS": "sgl_embeds_cpu", "SGL_EMBEDS_CPU_ATTENTION": "0"}
+STOCK_ENV = {"SGLANG_PLUGINS": "sgl_embeds_cpu", "SGLANG_EMBEDS_CPU_ATTENTION": "0"}
 
 
 def make_server(model_dir: Path, plugin: bool, extra: list[str] = (), dtype: str = "float32",

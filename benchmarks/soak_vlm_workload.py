@@ -13,7 +13,7 @@ server's span store and the rows it holds for the scheduler (``/sgl_embeds/info`
 client caches' sizes. Errors are counted per episode, not raised.
 
 Every store on the way is bounded: the server's span store and the rows it holds for the scheduler
-(``SGL_EMBEDS_HANDLE_BYTES``, each), the client's ``EncoderCache`` (``max_bytes``), SGLang's KV
+(``SGLANG_EMBEDS_HANDLE_BYTES``, each), the client's ``EncoderCache`` (``max_bytes``), SGLang's KV
 pool. Memory is flat only once they are full, so ``--server-cache-mib`` and
 ``--client-cache-mib`` set budgets small enough to fill during the warm-up (the defaults, 1 GiB
 and 256 MiB, take longer than ten minutes of this workload to fill).
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     encoder = QwenVLEncoder(model_dir, device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     server = make_server(model_dir, plugin=True, extra=MM_ARGS,
-                         env={"SGL_EMBEDS_HANDLE_BYTES": str(args.server_cache_mib << 20)}).start()
+                         env={"SGLANG_EMBEDS_HANDLE_BYTES": str(args.server_cache_mib << 20)}).start()
     clients = {arm: ArmClient(arm, server.url, encoder, tokenizer, args.image_side, args.answer_tokens,
                               cache=EncoderCache(args.client_cache_mib << 20))
                for arm in OURS}
@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--reuse", type=float, default=0.5)
     ap.add_argument("--image-side", type=int, default=448)
     ap.add_argument("--answer-tokens", type=int, default=8)
-    ap.add_argument("--server-cache-mib", type=int, default=64, help="SGL_EMBEDS_HANDLE_BYTES, in MiB")
+    ap.add_argument("--server-cache-mib", type=int, default=64, help="SGLANG_EMBEDS_HANDLE_BYTES, in MiB")
     ap.add_argument("--client-cache-mib", type=int, default=32, help="each client's EncoderCache, in MiB")
     ap.add_argument("--name", default="vlm_soak", help="results file name under benchmarks/results/")
     ap.add_argument("--reanalyze", action="store_true",

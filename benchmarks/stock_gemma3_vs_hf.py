@@ -25,7 +25,7 @@ from ``sgl_kernel`` at import time and no CPU build of that is installable here)
 pure-torch stand-ins importable as ``sgl_kernel`` (its ``sglang.srt.platforms`` entry point).
 ``SGLANG_PLUGINS`` filters both entry-point groups, so with no plugin at all a CPU server exits at
 startup (``--no-cpu-kernels`` shows it; ``common.STOCK_ENV`` says why). Of the CPU plugin's hooks,
-``SGL_EMBEDS_CPU_ATTENTION=0`` drops our extend attention, so stock runs SGLang's own
+``SGLANG_EMBEDS_CPU_ATTENTION=0`` drops our extend attention, so stock runs SGLang's own
 ``torch_native`` attention; the two left (a gated RMSNorm and a fused gate, Qwen3.5's) are not on
 Gemma 3's path.
 

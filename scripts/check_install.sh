@@ -53,7 +53,7 @@ DEMO=$("$PY" -c 'from sgl_embeds.demo import demo_model_dir; print(demo_model_di
 cd "$TMP"  # nothing of the checkout on sys.path from here on
 export -n PYTHONPATH 2>/dev/null || true
 unset PYTHONPATH
-env -u SGL_EMBEDS_CPU_KERNELS "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
+env -u SGLANG_EMBEDS_CPU_KERNELS "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
 import sys
 from importlib.metadata import entry_points
 import sgl_embeds, sgl_embeds_srt.plugin
@@ -68,14 +68,14 @@ assert loaded == ["sgl_embeds_cpu.plugin"], loaded
 print(f"    sgl_embeds and its plugin import from {sys.argv[1]}; without the opt-in no CPU kernel loads")
 PY
 # with the opt-in (what `sgl_embeds serve` sets on CPU), SGLang turns the installed kernels on
-SGLANG_USE_CPU_ENGINE=1 SGL_EMBEDS_CPU_KERNELS=1 "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
+SGLANG_USE_CPU_ENGINE=1 SGLANG_EMBEDS_CPU_KERNELS=1 "$TMP/venv/bin/python" - "$TMP/venv" <<'PY'
 import sys
 import torch
 import sglang.srt.utils.common  # noqa: F401
 import sgl_kernel
 if not torch.cuda.is_available():
     assert sgl_kernel.__file__.startswith(sys.argv[1]), f"sgl_kernel from {sgl_kernel.__file__}"
-print(f"    with SGL_EMBEDS_CPU_KERNELS=1: sgl_kernel from {sgl_kernel.__file__}")
+print(f"    with SGLANG_EMBEDS_CPU_KERNELS=1: sgl_kernel from {sgl_kernel.__file__}")
 PY
 
 step "sgl_embeds serve DEMO (the console script), then connect + a span"

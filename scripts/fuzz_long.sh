@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 examples=${1:-500}
 shift || true
-SGL_EMBEDS_FUZZ_EXAMPLES=$examples .venv/bin/python -m pytest -q -s -p no:cacheprovider \
+SGLANG_EMBEDS_FUZZ_EXAMPLES=$examples .venv/bin/python -m pytest -q -s -p no:cacheprovider \
   tests/server/test_fuzz_http.py tests/server/test_fuzz_ids.py "$@" | grep -E "^fuzz |passed|failed|Error|Falsifying" 

@@ -1,6 +1,6 @@
 """Run the tutorials in examples/ top to bottom and save them with their outputs (``make notebooks``).
 
-Each notebook starts the server it needs (none of the SGL_EMBEDS_*_URL variables is passed on),
+Each notebook starts the server it needs (none of the SGLANG_EMBEDS_*_URL variables is passed on),
 so a refresh needs nothing running. tests/examples/test_notebooks.py then requires CI's fresh run of each
 notebook to show the same claims and pictures as the outputs saved here.
 
@@ -64,7 +64,7 @@ def without_machine_paths(book):
 
 
 def main(paths: list[str]) -> None:
-    for name in [v for v in os.environ if v.startswith("SGL_EMBEDS_") and v.endswith("_URL")]:
+    for name in [v for v in os.environ if v.startswith("SGLANG_EMBEDS_") and v.endswith("_URL")]:
         del os.environ[name]  # each notebook starts its own server
     for path in [Path(p) for p in paths] or sorted(EXAMPLES.glob("*.ipynb")):
         print(f"running {path.name} ...", flush=True)

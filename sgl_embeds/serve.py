@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import SPLIT_VERSION, sglang_serves, split
 from sgl_embeds_protocol.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_protocol.wire import TENANTS_VAR
 
 # On CPU SGLang sizes the KV pool to ~85% of free RAM; two servers would exhaust the machine.
@@ -49,7 +50,8 @@ def cpu_launch_args(dtype: str = "float32") -> list[str]:
     """SGLang on CPU: torch-native attention, no CUDA graph, no overlap schedule, and
     ``--sleep-on-idle`` (without it the idle scheduler busy-loops a core)."""
     return [
-        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+        "--device", "cpu", "--attention-backend", "torch_native",
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
         "--disable-overlap-schedule", "--dtype", dtype, "--sleep-on-idle",
         "--max-total-tokens", str(CPU_KV_TOKENS),
     ]
@@ -57,7 +59,7 @@ def cpu_launch_args(dtype: str = "float32") -> list[str]:
 
 # SGLang on CPU, and the opt-in of the CPU kernels (sgl_embeds_cpu.plugin.OPT_IN) in each of its
 # processes: the pure-torch sgl_kernel stand-ins and the CPU-only hooks
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGL_EMBEDS_CPU_KERNELS": "1"}
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_EMBEDS_CPU_KERNELS": "1"}
 
 
 def machine_args() -> list[str]:
@@ -238,8 +240,8 @@ def checkpoint_folder(checkpoint: str | Path, download: bool = True) -> Path:
 
 
 def cache_root() -> Path:
-    """``$SGL_EMBEDS_CACHE``, else ``$XDG_CACHE_HOME/sgl_embeds`` (``~/.cache/sgl_embeds``)."""
-    root = os.environ.get("SGL_EMBEDS_CACHE")
+    """``$SGLANG_EMBEDS_CACHE``, else ``$XDG_CACHE_HOME/sgl_embeds`` (``~/.cache/sgl_embeds``)."""
+    root = setting("SGLANG_EMBEDS_CACHE")
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sgl_embeds"

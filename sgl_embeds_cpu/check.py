@@ -1,7 +1,7 @@
 """``python -m sgl_embeds_cpu.check``: prove the environment can run SGLang here.
 
 On CPU it opts in to the CPU kernels as ``sgl_embeds serve`` does for SGLang's processes
-(``SGL_EMBEDS_CPU_KERNELS=1``) and sees SGLang turn them on through the installed entry point; on a
+(``SGLANG_EMBEDS_CPU_KERNELS=1``) and sees SGLang turn them on through the installed entry point; on a
 GPU it leaves the real ``sgl_kernel`` alone. Then it imports ``sgl_kernel`` (real or fallback),
 the SGLang modules that need it on CPU (Qwen3.5's Gated DeltaNet backend among them), and checks
 every guard; exits non-zero with the reason if anything is missing. Says which row hashing path was built: native (the C extension of

@@ -4,10 +4,7 @@ our applied hooks (SGLang's ``load_plugins`` then does nothing: it is done). Mea
 Llama: ready after 16-18 s instead of 27-31 s, 16-18 s of CPU for the server instead of 38-41.
 
 Only where fork is safe: a CPU server (no CUDA context to inherit) whose process is still single-
-threaded when SGLang picks the start method and has launched nothing before (a server's main
-process, there; a notebook, a test process with threads, or a process that ran an Engine before
-keeps spawn: the earlier Engine's zmq I/O threads, which ``threading`` does not see, deadlocked
-a scheduler forked beside them, seen on a second Engine in one process)."""
+threaded at its first launch (a server's main process; a notebook or test process keeps spawn)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,9 @@ import threading
 from typing import Any, Callable
 
 
-_launched_before = False  # an Engine or server already launched from this process
+# An Engine launched before in this process leaves zmq I/O threads that ``threading`` does not
+# count: a scheduler forked beside them hung (a second Engine in one process, seen)
+_launched_before = False
 
 
 def set_envs_and_config(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:

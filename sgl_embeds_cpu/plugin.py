@@ -1,6 +1,6 @@
 """The opt-in switch of the CPU kernels, loaded by SGLang through two entry points.
 
-With ``SGL_EMBEDS_CPU_KERNELS=1``: ``activate`` (group ``sglang.srt.platforms``, called as each
+With ``SGLANG_EMBEDS_CPU_KERNELS=1``: ``activate`` (group ``sglang.srt.platforms``, called as each
 SGLang process resolves its platform, before anything imports ``sgl_kernel``) installs the
 finders that make ``kernels.py`` importable as ``sgl_kernel`` and claims no platform; ``register``
 (group ``sglang.srt.plugins``) registers the CPU-only hooks (``hook_table``). ``turn_on`` opts a
@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-OPT_IN = "SGL_EMBEDS_CPU_KERNELS"
+OPT_IN = "SGLANG_EMBEDS_CPU_KERNELS"
+# its spelling before SGLang's prefix, still honoured (as sgl_embeds_protocol.environment does:
+# read here, so that a process without the opt-in loads nothing else of ours)
+OLD_OPT_IN = OPT_IN.replace("SGLANG_", "SGL_", 1)
 
 
 def opted_in(environ: os._Environ | dict[str, str] = os.environ) -> bool:
-    return environ.get(OPT_IN) == "1"
+    return environ.get(OPT_IN, environ.get(OLD_OPT_IN)) == "1"
 
 
 def turn_on() -> None:
@@ -42,13 +45,14 @@ def hook_table() -> dict[str, tuple[Any, Callable]]:
 
     from sgl_embeds_cpu import attention, children, fused
     from sgl_embeds_protocol import targets
+    from sgl_embeds_protocol.environment import setting
 
     table = {
         targets.GATED_RMSNORM_FORWARD: (HookType.AROUND, fused.rms_norm_gated),
         targets.GATE_SIGMOID_MUL: (HookType.AROUND, fused.gate_sigmoid_mul),
         targets.SET_ENVS_AND_CONFIG: (HookType.AROUND, children.set_envs_and_config),
     }
-    if os.environ.get("SGL_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
+    if setting("SGLANG_EMBEDS_CPU_ATTENTION", "1") != "0":  # 0: SGLang's own (benchmarks compare)
         table[targets.SDPA_FORWARD_EXTEND] = (HookType.AROUND, attention.sdpa_forward_extend)
     return table
 

@@ -31,8 +31,8 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_SPAN_BYTES = 256 * 1024 * 1024  # per tensor, as decoded float32
 MAX_ROWS = 1 << 20
-BUDGET_VAR = "SGL_EMBEDS_MAX_BYTES"  # the server's budget of one request's spans (sgl_embeds_srt.parse)
-TENANTS_VAR = "SGL_EMBEDS_TENANTS"  # the server's API key -> tenant table (sgl_embeds_srt.tenants)
+BUDGET_VAR = "SGLANG_EMBEDS_MAX_BYTES"  # the server's budget of one request's spans (sgl_embeds_srt.parse)
+TENANTS_VAR = "SGLANG_EMBEDS_TENANTS"  # the server's API key -> tenant table (sgl_embeds_srt.tenants)
 
 
 class WireError(ValueError):

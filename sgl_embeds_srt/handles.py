@@ -1,20 +1,20 @@
 """Upload a span once, refer to it by handle: ``POST /sgl_embeds/spans`` and the ``SpanStore``.
 
 ``SpanStore`` keeps spans by content key (``keys.content_key``) with their row digests, bounded in
-bytes (``SGL_EMBEDS_HANDLE_BYTES``, LRU); ``upload`` validates and stores one. A request naming a
+bytes (``SGLANG_EMBEDS_HANDLE_BYTES``, LRU); ``upload`` validates and stores one. A request naming a
 handle the store does not hold gets ``UnknownSpanHandle`` (HTTP 400, the handle in ``"param"``),
 and a client resends the span inline. Each tenant has its own (docs/reliability.md, "Tenants").
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable
 
 import torch
 
 from sgl_embeds_protocol import keys, wire
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_protocol.lru import LRU, rows_to_hold, nbytes
 from sgl_embeds_protocol.segments import Span
 from sgl_embeds_srt import tenants
@@ -22,11 +22,11 @@ from sgl_embeds_srt import tenants
 PATH = "/sgl_embeds/spans"
 
 
-BUDGET_VAR = "SGL_EMBEDS_HANDLE_BYTES"  # the bytes the handle store holds
+BUDGET_VAR = "SGLANG_EMBEDS_HANDLE_BYTES"  # the bytes the handle store holds
 
 
 def budget_bytes() -> int:
-    return int(os.environ.get(BUDGET_VAR, 1 << 30))
+    return int(setting(BUDGET_VAR, 1 << 30))
 
 
 class UnknownSpanHandle(wire.WireError):

@@ -10,10 +10,10 @@ span held with ``keep_spans``, a routing hint dropped. Shapes against the model 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_protocol.keys import finite_row_digests, is_routing_text, keyed
 from sgl_embeds_protocol.segments import Grid, Ids, Segment, Span, Text, bidirectional_of
 from sgl_embeds_srt.handles import SpanStore, UnknownSpanHandle
@@ -26,11 +26,11 @@ SPAN_TYPE = "embeds"  # a span segment's type, and the field holding its tensor
 
 
 def max_span_bytes(largest_image_bytes: int) -> int:
-    """Decoded float32 bytes allowed in one request's spans: ``SGL_EMBEDS_MAX_BYTES`` where set;
+    """Decoded float32 bytes allowed in one request's spans: ``SGLANG_EMBEDS_MAX_BYTES`` where set;
     else ``wire.MAX_SPAN_BYTES``, or the served model's largest image (``ModelSpec.
     largest_image_bytes``) where that is more, so that any image its processor makes is served."""
-    if wire.BUDGET_VAR in os.environ:
-        return int(os.environ[wire.BUDGET_VAR])
+    if (budget := setting(wire.BUDGET_VAR)) is not None:
+        return int(budget)
     return max(wire.MAX_SPAN_BYTES, largest_image_bytes)
 
 

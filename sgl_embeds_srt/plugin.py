@@ -94,7 +94,7 @@ def register() -> None:
 
 # The pid of the process of this lineage that loaded the plugin last, in the environment the
 # processes it starts inherit
-LOADED_BY_VAR = "SGL_EMBEDS_PLUGIN_LOADED_BY"
+LOADED_BY_VAR = "SGLANG_EMBEDS_PLUGIN_LOADED_BY"
 
 
 def is_server_main_process() -> bool:

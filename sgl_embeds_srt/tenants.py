@@ -1,6 +1,6 @@
 """Tenants: API keys mapped to tenants, and what one tenant's requests may share.
 
-With ``SGL_EMBEDS_TENANTS`` (a JSON file ``{"<api key>": "<tenant>", ...}``; ``serve --tenants``)
+With ``SGLANG_EMBEDS_TENANTS`` (a JSON file ``{"<api key>": "<tenant>", ...}``; ``serve --tenants``)
 every request but health and metrics probes must carry one of its keys (``Authorization: Bearer``),
 and runs ``acting_for`` its tenant: its prefix-cache entries, handles and held rows are keyed by
 the tenant, so no tenant hits, names or times another's. Without it, one space as before. The
@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from typing import Any, Iterator
 
 from sgl_embeds_protocol import wire
+from sgl_embeds_protocol.environment import setting
 
 TENANTS_ENV = wire.TENANTS_VAR
 # SGLang's own probes, open under --api-key too (sglang.srt.utils.auth.decide_request_auth)
@@ -46,7 +47,7 @@ def read_table(path: str | os.PathLike) -> dict[str, str]:
 def key_table() -> dict[str, str] | None:
     """This server's key -> tenant table (None: no tenants). Read once: a server's tenants are
     fixed at launch."""
-    path = os.environ.get(TENANTS_ENV)
+    path = setting(TENANTS_ENV)
     return read_table(path) if path else None
 
 

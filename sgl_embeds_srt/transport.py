@@ -23,6 +23,7 @@ from sglang.srt.managers.embed_types import PositionalEmbeds
 
 from sgl_embeds_srt.handles import budget_bytes
 from sgl_embeds_protocol.keys import raw_bytes
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_protocol.lru import LRU, rows_to_hold, nbytes
 from sgl_embeds_srt.prompt_rows import PromptRows, SpanRows
 
@@ -127,7 +128,7 @@ _SCHEDULER_ROWS = SchedulerRows()  # one per scheduler process
 
 
 def enabled(server_args: Any) -> bool:
-    return (os.environ.get("SGL_EMBEDS_ROWS_BY_HANDLE", "1") != "0"
+    return (setting("SGLANG_EMBEDS_ROWS_BY_HANDLE", "1") != "0"
             and envs.SGLANG_USE_PICKLE_IPC.get()
             and server_args.dp_size == 1 and server_args.pp_size == 1)
 
@@ -145,7 +146,7 @@ class RowsTransport:
 
     The tokenizer manager calls ``prepare_for_dispatch`` right before a send (no await between)
     and ``cancel_for_dispatch`` if the send failed. Which spans the scheduler holds from this
-    process is an LRU bounded like the handle store (``SGL_EMBEDS_HANDLE_BYTES``): what it lets
+    process is an LRU bounded like the handle store (``SGLANG_EMBEDS_HANDLE_BYTES``): what it lets
     go, the scheduler lets go too, so the scheduler never holds more than that per HTTP process."""
 
     def __init__(self, stock: Any, on: bool, budget: int) -> None:

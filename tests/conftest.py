@@ -138,7 +138,7 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
     """The session's pool of servers by name (``servers.get(*names)``)."""
     # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here),
     # one of each family at least: LLaVA-1.5, -NeXT, -OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5
-    served = dict(via_serve=True, env={"SGL_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
+    served = dict(via_serve=True, env={"SGLANG_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
         # allowed whitespace until max_new_tokens (tests/server/test_compat_constrained.py)

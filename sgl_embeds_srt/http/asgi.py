@@ -4,7 +4,6 @@ serves (``server_spec``)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -12,12 +11,13 @@ import orjson
 from starlette.responses import Response
 
 from sgl_embeds_protocol import binary_body
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_srt.prompts import ModelSpec
 
 
 def max_body_bytes() -> int:
-    """Largest request body read for span detection or upload (``SGL_EMBEDS_MAX_BODY_BYTES``)."""
-    return int(os.environ.get("SGL_EMBEDS_MAX_BODY_BYTES", 1 << 30))
+    """Largest request body read for span detection or upload (``SGLANG_EMBEDS_MAX_BODY_BYTES``)."""
+    return int(setting("SGLANG_EMBEDS_MAX_BODY_BYTES", 1 << 30))
 
 
 def json_response(content: Any, status: int = 200) -> Response:

@@ -1,6 +1,6 @@
 """Models without a hub: tiny random-weight Llama / Qwen2 / LLaVA test models.
 
-Everything is built once into a cache directory (``$SGL_EMBEDS_CACHE`` or ``.cache/`` at the
+Everything is built once into a cache directory (``$SGLANG_EMBEDS_CACHE`` or ``.cache/`` at the
 repository root) with fixed seeds, and reused by tests, examples and benchmarks.
 """
 
@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SGL_EMBEDS_CACHE")
+    root = os.environ.get("SGLANG_EMBEDS_CACHE")
     path = Path(root) if root else Path(__file__).resolve().parents[2] / ".cache"
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -23,15 +23,15 @@ MIN_CLAIMS = 3
 MACHINE_PATH = re.compile(r"(?<![\w<>~.])/(?:work|root|home|tmp|check|Users|private|var/folders)/")
 # A notebook reads the URL of a running server from one of these (and starts its own without):
 # the pool's server each stands for
-SERVER_URLS = {"SGL_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
-               "SGL_EMBEDS_VLM_URL": "llava_llama",  # the tiny LLaVA's split LLM
-               "SGL_EMBEDS_DEMO_URL": "demo",  # meaning: SmolLM2-135M-Instruct
-               "SGL_EMBEDS_QWEN_VL_URL": "qwen_vl_spans",  # the tiny Qwen2.5-VL, NaN tower
-               "SGL_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
-               "SGL_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
-               "SGL_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
-               "SGL_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
-               "SGL_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
+SERVER_URLS = {"SGLANG_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
+               "SGLANG_EMBEDS_VLM_URL": "llava_llama",  # the tiny LLaVA's split LLM
+               "SGLANG_EMBEDS_DEMO_URL": "demo",  # meaning: SmolLM2-135M-Instruct
+               "SGLANG_EMBEDS_QWEN_VL_URL": "qwen_vl_spans",  # the tiny Qwen2.5-VL, NaN tower
+               "SGLANG_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
+               "SGLANG_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
+               "SGLANG_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
+               "SGLANG_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
+               "SGLANG_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
 
 
 def _claims(book) -> list[str]:
@@ -62,7 +62,7 @@ def test_notebook_is_committed_with_its_outputs(path):
 
 
 def _urls_read(path: Path) -> list[str]:
-    return sorted(set(re.findall(r"SGL_EMBEDS_\w*URL", path.read_text())))
+    return sorted(set(re.findall(r"SGLANG_EMBEDS_\w*URL", path.read_text())))
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.pooled(*(SERVER_URLS.get(v, v) for v in _urls_read(p))))

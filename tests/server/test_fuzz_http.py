@@ -13,7 +13,7 @@ served (on the plain Llama, HF's token and logprob), every faulty one a 400 nami
 each of the family's faults in every example.
 
 CI runs a fixed, derandomized set of examples (the random prompts from a set seed, the same stream
-alone and in the full suite: tests/conftest.py); ``SGL_EMBEDS_FUZZ_EXAMPLES=N``
+alone and in the full suite: tests/conftest.py); ``SGLANG_EMBEDS_FUZZ_EXAMPLES=N``
 runs N random ones per fuzzer and server and prints the counts (``scripts/fuzz_long.sh``)."""
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ from sgl_embeds_protocol.segments import ATTENTION, BIDIRECTIONAL, GRID_FIELDS, 
 from strategies import HELD_ROWS, faults_of, judged_prompts, payloads, prompts
 
 pytestmark = pytest.mark.per_server  # each family's tests where its server runs anyway
-LONG = int(os.environ.get("SGL_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
+LONG = int(os.environ.get("SGLANG_EMBEDS_FUZZ_EXAMPLES", "0"))  # 0: the CI run
 PAYLOAD_EXAMPLES, PROMPT_EXAMPLES, JUDGED_EXAMPLES = (LONG, LONG, LONG) if LONG else (24, 50, 3)
 VALID_PER_EXAMPLE = 4  # and one prompt with each fault of the family
 # the random prompts' stream in CI (a long run: random), a function of the seed and strategies.py
 # alone (tests/conftest.py): seed 3's reaches a grid refusal and a clip-time refusal on every kind
 # of M-RoPE server (measured; 1 or 2 clip-time refusals each, so an edit to the strategies may need
-# another seed: the reach assertions say so). SGL_EMBEDS_FUZZ_SEED tries another
-FIXED_PROMPTS = seed(int(os.environ.get("SGL_EMBEDS_FUZZ_SEED", "3"))) if not LONG else (lambda test: test)
+# another seed: the reach assertions say so). SGLANG_EMBEDS_FUZZ_SEED tries another
+FIXED_PROMPTS = seed(int(os.environ.get("SGLANG_EMBEDS_FUZZ_SEED", "3"))) if not LONG else (lambda test: test)
 FUZZ = dict(deadline=None, database=None, derandomize=not LONG,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ONE_TOKEN = {"max_new_tokens": 1}

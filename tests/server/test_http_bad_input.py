@@ -58,10 +58,10 @@ def test_fields_stock_generate_ignores_are_ignored_with_spans_too(llama_server):
 
 
 def test_a_huge_declared_shape_is_refused_before_decoding(llama_server):
-    # the decoded-span budget (SGL_EMBEDS_MAX_BYTES, 256 MiB) is checked against the declared shape
+    # the decoded-span budget (SGLANG_EMBEDS_MAX_BYTES, 256 MiB) is checked against the declared shape
     r = llama_server.generate(_seg({"data": "A" * 8, "dtype": "bfloat16", "shape": [1 << 26, 64]}))
     assert r.status_code == 400 and "size limit" in r.json()["message"]
-    assert "SGL_EMBEDS_MAX_BYTES" in r.json()["message"], "a refusal names the setting that sizes it"
+    assert "SGLANG_EMBEDS_MAX_BYTES" in r.json()["message"], "a refusal names the setting that sizes it"
 
 
 def test_malformed_json_still_gets_the_stock_error(llama_server):

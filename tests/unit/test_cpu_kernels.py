@@ -92,7 +92,7 @@ def test_a_process_without_the_opt_in_loads_no_cpu_kernel():
 
 
 def test_with_the_opt_in_sglang_turns_the_cpu_kernels_on():
-    """The same process with ``SGL_EMBEDS_CPU_KERNELS=1``: SGLang's platform resolution installed
+    """The same process with ``SGLANG_EMBEDS_CPU_KERNELS=1``: SGLang's platform resolution installed
     the finders, ``sgl_kernel`` (and ``sgl_kernel.mamba``) are the stand-ins, and the general
     plugin registered the CPU hooks."""
     finders, _, hooks, origin = _loaded(opt_in=True, then="""

@@ -68,7 +68,7 @@ def test_bodies_without_span_fields_reach_the_stock_route_intact():
 
 
 def test_a_body_over_the_limit_gets_413_without_reaching_the_app(monkeypatch):
-    monkeypatch.setenv("SGL_EMBEDS_MAX_BODY_BYTES", "20")
+    monkeypatch.setenv("SGLANG_EMBEDS_MAX_BODY_BYTES", "20")
     app = _App()
     sent, _ = _call(middleware.SpanMiddleware(app), b'{"input_embeds": [[1.0, 2.0, 3.0, 4.0]]}')
     assert not app.bodies

@@ -219,7 +219,8 @@ RETIRED = [r"(?<![\w-])Embeds\b", r"\bSglEmbeds\b", r"\bspan_handle\b", r"\bKept
            r"\bremembered_ids\b", r"\brows_crossed\b", r"(?<!_)\bSPAN_FIELDS\b", r"\bchecked_row_digests\b",
            r"\bchecked_rows\b", r"\b_checked\b", r"PromptRows\.checked", r"\bspan_prompt=", r"\bWRITTEN\b",
            r"\bWrittenBody\b", r"\b_resent_inline\b", r"\bPROMPT_ROWS_KEY\b", r"\bSpanPart\b", r"\.crosses\b",
-           r"""scope\["state"\]""", r"(?<!SPAN_)\bPART_TYPE\b", r"\b_keepers\b"]
+           r"""scope\["state"\]""", r"(?<!SPAN_)\bPART_TYPE\b", r"\b_keepers\b",
+           r"\bSGL_EMBEDS_[A-Z]"]  # the settings' old prefix (SGLang rewrites SGL_ names and warns)
 
 
 def _project_files() -> list[Path]:

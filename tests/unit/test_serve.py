@@ -55,11 +55,11 @@ def test_qwen_vl_is_served_natively_with_the_multimodal_flags(split_cache):
     assert launch.model_dir == tiny_qwen2_5_vl_dir() and not split_cache.exists()
     assert "--enable-multimodal" in launch.args
     if serve.on_cpu():
-        assert launch.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGL_EMBEDS_CPU_KERNELS": "1"}
+        assert launch.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_EMBEDS_CPU_KERNELS": "1"}
         assert cpu_plugin.opted_in(launch.env)  # SGLang's processes run with the CPU kernels on
         assert "--mm-attention-backend" in launch.args and "--device" in launch.args
     line = launch.command_line()
-    assert "-m sglang.launch_server --model-path " in line and line.startswith("SGLANG_USE_CPU_ENGINE=1 SGL_EMBEDS_CPU_KERNELS=1 ")
+    assert "-m sglang.launch_server --model-path " in line and line.startswith("SGLANG_USE_CPU_ENGINE=1 SGLANG_EMBEDS_CPU_KERNELS=1 ")
 
 
 def test_every_family_record_has_its_code_on_both_sides():

@@ -189,7 +189,7 @@ def published_processor(model_type: str):
 def test_the_span_budget_holds_the_largest_image_the_processor_makes(monkeypatch, model_type, hidden, deepstack, width):
     """16384 rows for the largest image of either family's processor: at Qwen3-VL-2B's width that
     is 512 MiB as float32, over the 256 MiB default, so the budget grows to it, and such a span
-    is read; SGL_EMBEDS_MAX_BYTES still sets it, and a refusal names that setting."""
+    is read; SGLANG_EMBEDS_MAX_BYTES still sets it, and a refusal names that setting."""
     monkeypatch.delenv(wire.BUDGET_VAR, raising=False)
     vision = VisionSpec(model_type, IMAGE, VIDEO, START, END, 2, None, deepstack)
     rows = vision.largest_image_rows(published_processor(model_type))
