@@ -6,7 +6,6 @@ repository root) with fixed seeds, and reused by tests, examples and benchmarks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from transformers import (
 )
 
 from sgl_embeds.serve import build_once
+from sgl_embeds_protocol.environment import setting
 from sgl_embeds_testing.hub_layout import publish_layout
 
 CACHE_VERSION = "v1"
@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SGLANG_EMBEDS_CACHE")
+    root = setting("SGLANG_EMBEDS_CACHE")
     path = Path(root) if root else Path(__file__).resolve().parents[2] / ".cache"
     path.mkdir(parents=True, exist_ok=True)
     return path

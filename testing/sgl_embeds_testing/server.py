@@ -440,7 +440,7 @@ def engine(model_dir: Path, dtype: str = "float32", **kwargs: Any) -> Any:
     """An in-process ``sglang.Engine`` with the same launch defaults; on CPU this process and the
     ones the Engine starts run with the CPU kernels on."""
     os.environ.update({k: v for k, v in cpu_env().items()
-                       if k.startswith(("SGLANG_", "SGLANG_EMBEDS_CPU_", "HF_", "TRANSFORMERS_"))})
+                       if k.startswith(("SGLANG_", "HF_", "TRANSFORMERS_"))})
     opts: dict[str, Any] = dict(model_path=str(model_dir), dtype=dtype, log_level="error")
     if on_cpu():
         from sgl_embeds_cpu import plugin  # SGLang may have resolved its platform here before the opt-in
