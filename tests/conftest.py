@@ -44,7 +44,8 @@ from sgl_embeds_testing.qwen_vl import (
     tiny_qwen3_vl_dir,
 )
 from sgl_embeds_testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
-from sgl_embeds_testing.server import Gateway, Server, ServerPool, free_port
+from sgl_embeds_testing import zygote
+from sgl_embeds_testing.server import Gateway, Server, ServerPool, cpu_env, free_port
 
 def pytest_configure(config):
     # Hypothesis draws some values from the literals of every local module imported so far
@@ -139,6 +140,7 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
     # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here),
     # one of each family at least: LLaVA-1.5, -NeXT, -OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5
     served = dict(via_serve=True, env={"SGLANG_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
+    zygote.shared(cpu_env())  # it imports SGLang while the first tests run
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
         # allowed whitespace until max_new_tokens (tests/server/test_compat_constrained.py)
@@ -211,6 +213,7 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
     pool.stop()
+    zygote.stop_shared()
 
 
 def _pooled(name: str):

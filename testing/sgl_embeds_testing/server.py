@@ -25,6 +25,7 @@ from typing import Any, Callable
 import requests
 import sglang as sgl
 
+from sgl_embeds_testing import zygote
 from sgl_embeds.serve import CPU_ENV, CPU_KV_TOKENS, cpu_launch_args, on_cpu  # noqa: F401 (re-exported)
 
 READY_TIMEOUT_S = 240.0
@@ -83,7 +84,7 @@ class Server:
     dtype: str = "float32"
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | zygote.Forked | None = None
     # launched by `python -m sgl_embeds serve model_dir` (a checkpoint: it picks the flags)
     via_serve: bool = False
 
@@ -113,8 +114,13 @@ class Server:
         else:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
                    *address, *default_launch_args(self.dtype), *self.extra_args]
+        env = {**cpu_env(), **self.env}
+        forker = zygote.shared(cpu_env())
+        if forker is not None and forker.takes(env):
+            self.proc = forker.spawn(cmd[1:], env, self.log_path)
+            return self
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**cpu_env(), **self.env}, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         return self
 

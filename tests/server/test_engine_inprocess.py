@@ -7,8 +7,6 @@ of the calling process, which here would take the shared test servers down with 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,8 @@ import pytest
 from helpers import seeded_rows as rows
 from helpers import reference_embeds, with_other_spans
 from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing import zygote
+from sgl_embeds_testing.server import cpu_env
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.server
 def probe(llama_dir, servers):
     servers.make_room(1)  # the child's engine
     script = Path(__file__).parents[1] / "engine_probe.py"
-    done = subprocess.run([sys.executable, str(script), str(llama_dir)], capture_output=True, text=True, timeout=600)
+    done = zygote.run([str(script), str(llama_dir)], cpu_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

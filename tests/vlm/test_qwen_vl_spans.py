@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +42,8 @@ from sgl_embeds_testing.qwen_vl import (
     tiny_qwen2_vl_dir,
     tiny_qwen3_vl_dir,
 )
-from sgl_embeds_testing.server import Gateway
+from sgl_embeds_testing import zygote
+from sgl_embeds_testing.server import Gateway, cpu_env
 from sgl_embeds_protocol import keys, wire
 from sgl_embeds_protocol.segments import Grid, Span, Text
 
@@ -274,7 +273,7 @@ def engine_probes(servers) -> dict:
     script = Path(__file__).parents[1] / "engine_probe.py"
     triples = [str(arg) for make in ENGINE_FAMILIES.values()
                for arg in (poisoned_vision_dir(make()), make(), _engine_text(make()))]
-    done = subprocess.run([sys.executable, str(script), *triples], capture_output=True, text=True, timeout=900)
+    done = zygote.run([str(script), *triples], cpu_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
