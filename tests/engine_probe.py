@@ -105,7 +105,7 @@ def main_qwen_vl(model_dir: str, rows_dir: str, prompt: str) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # one process for every family asked: SGLang and HF imported once
+    if len(sys.argv) > 2:  # each family asked, one engine after another
         triples = [sys.argv[i:i + 3] for i in range(1, len(sys.argv), 3)]
         print(json.dumps({_family(rows_dir): main_qwen_vl(model_dir, rows_dir, prompt)
                           for model_dir, rows_dir, prompt in triples}))

@@ -1,19 +1,10 @@
-"""A process that has started SGLang once and forks the test servers from there.
-
-A server launch on CPU spends most of its ~16 s importing SGLang and loading the plugins (SGLang's
-import alone is 13-14 s of CPU). ``python -m sgl_embeds_testing.zygote`` does the steps every
-``python -m sglang.launch_server`` does before it reads its flags (import what it imports, load
-the plugins, import the HTTP server), in the environment of the test servers, and then forks one
-child per launch request: the child takes the request's environment, flags, working directory
-and log file and runs ``python -m MODULE ARGS`` (or a script) in place. An ``exec`` of this
-interpreter in ``-m`` form inside the child (``sgl_embeds serve`` ends in one) runs in place too,
-while the child is still as single-threaded as the zygote was; otherwise it is a real ``exec``.
-
-``Zygote.spawn`` returns a ``Forked``, the part of ``subprocess.Popen`` the harness uses. Only a
-launch whose environment differs from the zygote's in ``LAUNCH_TIME_KEYS`` (read after the fork)
-may use it (``Zygote.takes``); the rest start a fresh interpreter. ``SGLANG_EMBEDS_TEST_ZYGOTE=0``
-turns it off. The launch line is the one users run; what differs is only which process did the
-imports (docs/performance.md, "Servers forked from a started SGLang").
+"""A process that has started SGLang once (imported what ``python -m sglang.launch_server`` imports,
+loaded the plugins) and forks the test servers and Engine scripts from there: each child takes its
+request's environment, arguments, directory and log, and runs ``python -m MODULE`` or a script in
+place, as does an ``exec`` of this Python inside it while it is still single-threaded. Only a
+launch whose environment differs in ``LAUNCH_TIME_KEYS`` is forked (``Zygote.takes``);
+``SGLANG_EMBEDS_TEST_ZYGOTE=0`` turns it off. Why and what it saves: docs/performance.md,
+"Servers forked from a started SGLang".
 """
 
 from __future__ import annotations
@@ -21,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import random
 import runpy
 import select
 import shutil
@@ -59,10 +49,6 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _thread_names() -> list[str]:
-    return [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-
-
 def _preload() -> dict[str, str]:
     """Import and load as a launch does; return what that wrote into the environment."""
     before = dict(os.environ)
@@ -80,6 +66,7 @@ def _run_in_place(argv: list[str]) -> None:
     """``python ARGV``: ``-m MODULE ARGS...`` or ``SCRIPT ARGS...``, in this process."""
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())  # as `python -m` puts it first
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
@@ -92,7 +79,7 @@ def _exec_in_place(threads_at_fork: int, real_execve: Any):
         args = list(args)
         in_place = path == sys.executable and len(args) > 2 and args[1] == "-m" and _os_threads() <= threads_at_fork
         print(f"[zygote] exec {'in place' if in_place else 'for real'} ({_os_threads()} threads, "
-              f"{threads_at_fork} at fork; {_thread_names()}): {args[1:3]}", file=sys.stderr, flush=True)
+              f"{threads_at_fork} at fork): {' '.join(args[1:3])}", file=sys.stderr, flush=True)
         if in_place:
             os.environ.clear()
             os.environ.update(env)
@@ -117,17 +104,18 @@ def _exit_as_python(code: int) -> None:
         os._exit(code)
 
 
-def _child(request: dict, written: dict[str, str], threads_at_fork: int, replies: Any) -> None:
+def _child(request: dict, written: dict[str, str], replies: Any) -> None:
     """The forked child: never returns to the zygote's loop."""
     try:
-        _become(request, written, threads_at_fork, replies)
+        _become(request, written, replies)
     except BaseException:  # failed before it ran anything (it exits itself otherwise)
         traceback.print_exc()
     finally:
         os._exit(1)
 
 
-def _become(request: dict, written: dict[str, str], threads_at_fork: int, replies: Any) -> None:
+def _become(request: dict, written: dict[str, str], replies: Any) -> None:
+    threads_at_fork = _os_threads()  # the zygote's other threads are not forked
     os.setsid()
     replies.close()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -144,13 +132,11 @@ def _become(request: dict, written: dict[str, str], threads_at_fork: int, replie
 
     if LOADED_BY_VAR in written:  # this process is the one that loaded the plugin, for its children
         os.environ[LOADED_BY_VAR] = str(os.getpid())
-    random.seed()  # a fresh interpreter seeds from the OS; a fork would share the zygote's state
-    import numpy
+    import numpy  # (Python's random reseeds itself after a fork; numpy's global state does not)
 
-    numpy.random.seed()
+    numpy.random.seed()  # from the OS, as a fresh interpreter does
     os.execve = _exec_in_place(threads_at_fork, os.execve)
     code = 0
-    print(f"[zygote] forked pid {os.getpid()}: python {' '.join(request['argv'])}", file=sys.stderr, flush=True)
     try:
         _run_in_place(request["argv"])
     except SystemExit as e:
@@ -184,9 +170,8 @@ def serve_forever(status_dir: Path) -> None:
     replies = os.fdopen(os.dup(1), "w")  # the answers' pipe; what anything prints goes to the log
     os.dup2(2, 1)
     written = _preload()
-    threads = _os_threads()
     children: set[int] = set()
-    print(json.dumps({"ready": True, "threads": threads}), file=replies, flush=True)
+    print(json.dumps({"ready": True}), file=replies, flush=True)
     try:
         while True:
             readable, _, _ = select.select([sys.stdin], [], [], 0.1)
@@ -201,7 +186,7 @@ def serve_forever(status_dir: Path) -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(request, written, threads, replies)
+                _child(request, written, replies)
             children.add(pid)
             print(json.dumps({"pid": pid}), file=replies, flush=True)
     finally:

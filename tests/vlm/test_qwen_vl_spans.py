@@ -268,14 +268,20 @@ def _engine_text(checkpoint) -> str:
 @pytest.fixture(scope="module")
 def engine_probes(servers) -> dict:
     """``tests/engine_probe.py``'s results on an engine of each Qwen-VL family whose vision
-    weights are NaN, by family: one child process runs the engines one after another."""
-    servers.make_room(1)  # the child's engine
+    weights are NaN, by family: a child process per family, all at once (each a first launch in
+    its process, so its scheduler is forked, not spawned)."""
+    servers.make_room(len(ENGINE_FAMILIES))  # the children's engines
     script = Path(__file__).parents[1] / "engine_probe.py"
-    triples = [str(arg) for make in ENGINE_FAMILIES.values()
-               for arg in (poisoned_vision_dir(make()), make(), _engine_text(make()))]
-    done = zygote.run([str(script), *triples], cpu_env(), timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def probe(make) -> dict:
+        triple = [str(arg) for arg in (poisoned_vision_dir(make()), make(), _engine_text(make()))]
+        done = zygote.run([str(script), *triple], cpu_env(), timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with concurrent.futures.ThreadPoolExecutor(len(ENGINE_FAMILIES)) as pool:
+        results = list(pool.map(probe, ENGINE_FAMILIES.values()))
+    return {family: by_family[family] for by_family in results for family in by_family}
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
