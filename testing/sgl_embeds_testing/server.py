@@ -160,10 +160,11 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        """Stop the server's whole process group (its scheduler/detokenizer children too)."""
+    def stop(self, drain: float = DRAIN_S) -> None:
+        """Stop the server's whole process group (its scheduler/detokenizer children too), killed
+        if it has not drained within ``drain`` seconds."""
         if self._ask_to_stop():
-            self._wait_stopped()
+            self._wait_stopped(drain)
 
     def _ask_to_stop(self) -> bool:
         """SIGTERM, if it is running: the server drains (~5 s) and stops its own children."""

@@ -33,7 +33,9 @@ def test_restart_mid_workload(llama_server):
         t.start()
     try:
         time.sleep(2)
-        server.stop()
+        # a grace of 5 s, then a kill, as an orchestrator restarts a server: with clients still
+        # sending, SGLang keeps draining for the whole 30 s the pool gives a server it stops
+        server.stop(drain=5)
         time.sleep(1)
         server.start()
         time.sleep(2)
