@@ -67,6 +67,7 @@ def _run_in_place(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path.insert(0, os.getcwd())  # as `python -m` puts it first
+        sys.modules.pop(argv[1], None)  # imported already by some module: runpy would warn
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
@@ -121,10 +122,12 @@ def _become(request: dict, written: dict[str, str], replies: Any) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if fd == 2 else os.O_TRUNC))
-        os.dup2(opened, fd)
-        os.close(opened)
+    out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if request.get("err") else out
+    os.dup2(out, 1)
+    os.dup2(err, 2)  # one open file for both when they share a log: one offset, nothing overwritten
+    for fd in {out, err}:
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **written})

@@ -89,3 +89,12 @@ def test_a_script_run_through_it_returns_what_subprocess_run_would(forker, tmp_p
     done = zygote.run([str(script), "bad argument"], cpu_env(), timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (1, "out\n", "err\nbad argument\n")
     assert done.args == [sys.executable, str(script), "bad argument"]
+
+
+def test_a_shared_log_keeps_every_line_of_both_streams_in_order(forker, tmp_path):
+    script = tmp_path / "both.py"
+    script.write_text("import sys\nfor i in range(50):\n"
+                      "    print(f'out {i}', flush=True)\n    print(f'err {i}', file=sys.stderr, flush=True)\n")
+    log = tmp_path / "shared.log"
+    assert forker.spawn([str(script)], cpu_env(), log).wait(60) == 0
+    assert log.read_text().splitlines() == [f"{stream} {i}" for i in range(50) for stream in ("out", "err")]
