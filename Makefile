@@ -12,12 +12,13 @@ demo: setup
 	$(PY) -m sgl_embeds.demo
 
 # the whole suite, then the exactness-sensitive tests again with AVX2 kernels (scripts/test_portable.sh),
-# then one deliberate break in rotation that the tests must catch (scripts/sabotage_rotation.sh);
-# red if any of the three fails
+# then one deliberate break in rotation that the tests must catch (scripts/sabotage_rotation.sh; its
+# control is the suite's own run of the named tests, read from its JUnit report); red if any of the three fails
 test: setup
-	@status=0; $(PY) -m pytest -q -p no:cacheprovider --durations=30 || status=1; \
+	@status=0; suite=$$(mktemp -d); \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 --junitxml=$$suite/report.xml || status=1; \
 	bash scripts/test_portable.sh || status=1; \
-	bash scripts/sabotage_rotation.sh || status=1; exit $$status
+	SABOTAGE_CONTROL=$$suite/report.xml bash scripts/sabotage_rotation.sh || status=1; rm -rf $$suite; exit $$status
 
 # `pip install .` into a fresh venv beside .venv's SGLang, serving the demo model (no network)
 check-install: setup

@@ -2,7 +2,7 @@
 # Runs tests on a deliberately broken build, to see that they catch the break:
 #   scripts/sabotage.sh NAME [pytest arguments]
 # runs the tests (default: those its first line names, "tests: <pytest arguments>") without the patch
-# (the control: they must pass), applies tests/sabotage/NAME.patch, runs them again and takes the
+# (the control: they must pass; or SABOTAGE_CONTROL, below), applies tests/sabotage/NAME.patch, runs them again and takes the
 # patch out whatever happens; scripts/sabotage_verdict.py reads each run's JUnit report. Exit 0 when
 # a test failed on an assertion (caught), 1 when they passed (not caught), 2 when the patch does not
 # apply, 3 when the control failed or the broken run proved nothing (no test ran, errors only).
@@ -35,9 +35,17 @@ if [ $# -eq 0 ]; then
 fi
 report=$(mktemp -d)
 run() { .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report/$1.xml" "${@:2}" >"$report/$1.log" 2>&1; }
-# the control: the same tests without the patch must run and pass, or a failure below means nothing
-run control "$@"
-if ! .venv/bin/python scripts/sabotage_verdict.py "$report/control.xml" control; then
+# the control: the same tests without the patch must run and pass, or a failure below means nothing.
+# SABOTAGE_CONTROL=REPORT (make test: the JUnit report of the whole suite's run of this commit, just
+# before): the named tests are collected and each must have passed there, instead of running again
+if [ -n "${SABOTAGE_CONTROL:-}" ]; then
+    .venv/bin/python -m pytest -q -p no:cacheprovider --collect-only "$@" >"$report/control.log" 2>&1
+    control=(scripts/sabotage_verdict.py "$SABOTAGE_CONTROL" control --only "$report/control.log")
+else
+    run control "$@"
+    control=(scripts/sabotage_verdict.py "$report/control.xml" control)
+fi
+if ! .venv/bin/python "${control[@]}"; then
     tail -n 30 "$report/control.log"; rm -rf "$report"; exit 3
 fi
 git apply "$patch"

@@ -6,6 +6,8 @@ its exit code): ``python scripts/sabotage_verdict.py REPORT broken|control``.
   raise, ``pytest.fail``); a run where nothing ran, everything was skipped, or the tests only errored
   (a fixture, a server that did not start, a collection error) is inconclusive (exit 3), not caught.
 * ``control`` (the same tests without the patch): every test ran and passed (exit 0), else 1.
+  ``--only NODEIDS``: the report is the whole suite's run of this commit, read for the tests named
+  in the file NODEIDS (pytest ``--collect-only -q``): each must be there and have passed.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ class Outcome:
     errors: int  # setup, teardown or collection errors
 
     @classmethod
-    def of_report(cls, xml_text: str) -> Outcome:
-        cases = ET.fromstring(xml_text).iter("testcase")
-        ran = passed = asserted = other = errors = 0
+    def of_report(cls, xml_text: str, only: set[tuple[str, str]] | None = None) -> Outcome:
+        """The counts of the report's test cases (of those in ``only`` by node id, if given; one
+        of ``only`` absent from the report counts as an error)."""
+        cases = list(ET.fromstring(xml_text).iter("testcase"))
+        if only is not None:
+            by_id = {_node_id(case): case for case in cases}
+            cases = [by_id[node] for node in sorted(only) if node in by_id]
+        missing = 0 if only is None else len(only) - len(cases)
+        ran, passed, asserted, other, errors = missing, 0, 0, 0, missing
         for case in cases:
             if case.find("skipped") is not None:
                 continue
@@ -47,6 +55,18 @@ class Outcome:
         return cls(ran, passed, asserted, other, errors)
 
 
+def _node_id(case: ET.Element) -> tuple[str, str]:
+    """A JUnit test case's (dotted module and classes, name), as ``node_key`` makes them."""
+    return case.get("classname", ""), case.get("name", "")
+
+
+def node_key(node_id: str) -> tuple[str, str]:
+    """pytest's ``tests/a/test_b.py::TestC::test_d[x]`` as its JUnit case names it:
+    (``tests.a.test_b.TestC``, ``test_d[x]``)."""
+    path, *scopes = node_id.split("::")
+    return ".".join([path.removesuffix(".py").replace("/", "."), *scopes[:-1]]), scopes[-1]
+
+
 def verdict(outcome: Outcome, run: str) -> tuple[int, str]:
     counts = (f"{outcome.ran} ran, {outcome.passed} passed, {outcome.asserted} failed on an assertion, "
               f"{outcome.other_failures} on another exception, {outcome.errors} errored")
@@ -61,12 +81,16 @@ def verdict(outcome: Outcome, run: str) -> tuple[int, str]:
 
 
 def main(argv: list[str]) -> int:
-    path, run = argv
-    if run not in ("broken", "control"):
-        raise SystemExit("usage: sabotage_verdict.py REPORT broken|control")
+    if len(argv) not in (2, 4) or argv[1] not in ("broken", "control") or argv[2:3] not in ([], ["--only"]):
+        raise SystemExit("usage: sabotage_verdict.py REPORT broken|control [--only NODEIDS]")
+    path, run = argv[:2]
     try:
+        only = None
+        if len(argv) == 4:
+            with open(argv[3]) as f:
+                only = {node_key(line.strip()) for line in f if "::" in line}
         with open(path) as f:
-            outcome = Outcome.of_report(f.read())
+            outcome = Outcome.of_report(f.read(), only)
     except (OSError, ET.ParseError) as e:
         print(f"[sabotage] no readable report ({e}): inconclusive")
         return INCONCLUSIVE

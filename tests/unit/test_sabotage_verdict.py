@@ -70,6 +70,32 @@ def test_a_break_is_caught_only_by_a_failed_assertion(tmp_path, select, run, cod
     assert sabotage_verdict.verdict(outcome, run)[0] == code, outcome
 
 
+@pytest.mark.parametrize("select, code", [
+    ("equal and not unequal", 0),
+    ("equal or raises_nothing", 1),  # one of them failed in the suite's run
+    ("(equal and not unequal) or skipped", 0),  # skipped there and here alike
+])
+def test_the_suites_report_serves_as_the_control_for_the_tests_collected(tmp_path, select, code):
+    """``make test``'s control: the named tests, collected by pytest, each passed in the whole
+    run's report; one the report lacks fails the control."""
+    suite = tmp_path / "suite.xml"
+    suite.write_text(_report(tmp_path, ""))  # every sample test, as the suite runs them all
+    collected = tmp_path / "collected.txt"
+    collected.write_text(subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "test_sample.py", "-k", select],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout)
+    assert "test_sample.py::test_equal" in collected.read_text()
+    assert sabotage_verdict.main([str(suite), "control", "--only", str(collected)]) == code
+    with collected.open("a") as f:
+        f.write("test_sample.py::test_not_in_the_suite\n")
+    assert sabotage_verdict.main([str(suite), "control", "--only", str(collected)]) == 1
+
+
+def test_node_ids_name_their_junit_cases():
+    assert sabotage_verdict.node_key("tests/vlm/test_a.py::test_b[x-y]") == ("tests.vlm.test_a", "test_b[x-y]")
+    assert sabotage_verdict.node_key("tests/test_a.py::TestC::test_d") == ("tests.test_a.TestC", "test_d")
+
+
 def test_the_rotation_draws_every_patch_in_a_window_of_that_many_commits():
     """scripts/sabotage_rotation.sh: patch = first-parent commit count modulo the patch count."""
     rotation = (ROOT / "scripts" / "sabotage_rotation.sh").read_text()
