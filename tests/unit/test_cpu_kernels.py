@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -82,23 +83,38 @@ def _loaded(opt_in: bool, then: str = "") -> list[str]:
     return _run(cpu_targets + textwrap.dedent(LOADED) + textwrap.dedent(then), opt_in=opt_in).splitlines()
 
 
-def test_a_process_without_the_opt_in_loads_no_cpu_kernel():
+@pytest.fixture(scope="module")
+def fresh():
+    """The fresh processes of the tests below, run at once (each mostly imports SGLang, on one
+    core): their output lines by test."""
+    runs = {"without": lambda: _loaded(opt_in=False),
+            "with": lambda: _loaded(opt_in=True, then=OPTED_IN_KERNELS),
+            "qwen_vl": _qwen_vl_modules}
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        started = {name: pool.submit(run) for name, run in runs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
+def test_a_process_without_the_opt_in_loads_no_cpu_kernel(fresh):
     """Acceptance of issue #44 (item 3): no finder, no ``sgl_kernel``, none of the kernels' modules;
     the CPU plugin's entry points ran (its switch module is loaded) and did nothing."""
-    finders, modules, hooks = _loaded(opt_in=False)
+    finders, modules, hooks = fresh["without"]
     assert finders == "[]"
     assert modules == "['sgl_embeds_cpu', 'sgl_embeds_cpu.plugin']"
     assert hooks == "[]"
 
 
-def test_with_the_opt_in_sglang_turns_the_cpu_kernels_on():
+OPTED_IN_KERNELS = """
+    import sgl_kernel, sgl_kernel.mamba
+    print(sgl_kernel.__file__)
+"""
+
+
+def test_with_the_opt_in_sglang_turns_the_cpu_kernels_on(fresh):
     """The same process with ``SGLANG_EMBEDS_CPU_KERNELS=1``: SGLang's platform resolution installed
     the finders, ``sgl_kernel`` (and ``sgl_kernel.mamba``) are the stand-ins, and the general
     plugin registered the CPU hooks."""
-    finders, _, hooks, origin = _loaded(opt_in=True, then="""
-        import sgl_kernel, sgl_kernel.mamba
-        print(sgl_kernel.__file__)
-    """)
+    finders, _, hooks, origin = fresh["with"]
     assert finders == "['FallbackKernelFinder', 'KernelsFirstFinder']"
     assert origin.endswith("sgl_embeds_cpu/kernels.py")
     assert hooks == str(sorted(plugin.hook_table()))
@@ -113,11 +129,7 @@ def test_a_real_sgl_kernel_wins_over_the_fallback(tmp_path):
     assert out == "True"
 
 
-def test_qwen_vl_modules_import_and_their_torch_ops_are_registered():
-    """SGLang's Qwen-VL processor imports models/qwen3_5.py, whose module level looks up torch ops
-    of sgl_kernel (issue #22): in a fresh process, as a server's processor pool would. The ops
-    Qwen3.5 calls on this CPU compute (tests/unit/test_cpu_gdn.py checks their numbers); the one
-    only reached with AMX raises naming itself."""
+def _qwen_vl_modules() -> list[str]:
     code = textwrap.dedent("""
         import torch
         import sglang.srt.multimodal.processors.qwen_vl  # noqa: F401
@@ -136,7 +148,15 @@ def test_qwen_vl_modules_import_and_their_torch_ops_are_registered():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
+    return out.stdout.splitlines()
+
+
+def test_qwen_vl_modules_import_and_their_torch_ops_are_registered(fresh):
+    """SGLang's Qwen-VL processor imports models/qwen3_5.py, whose module level looks up torch ops
+    of sgl_kernel (issue #22): in a fresh process, as a server's processor pool would. The ops
+    Qwen3.5 calls on this CPU compute (tests/unit/test_cpu_gdn.py checks their numbers); the one
+    only reached with AMX raises naming itself."""
+    lines = fresh["qwen_vl"]
     assert [line.split("(")[0] for line in lines[:-2]] == [f"sgl_kernel::{n}" for n in kernels.TORCH_OPS]
     assert lines[-2] == "[0.5, 0.5]"
     assert "sgl_kernel.fused_input_proj_cpu is not implemented" in lines[-1]
