@@ -70,16 +70,22 @@ def test_a_break_is_caught_only_by_a_failed_assertion(tmp_path, select, run, cod
     assert sabotage_verdict.verdict(outcome, run)[0] == code, outcome
 
 
+@pytest.fixture(scope="module")
+def suite_report(tmp_path_factory) -> str:
+    return _report(tmp_path_factory.mktemp("suite"), "")  # every sample test, as the suite runs them all
+
+
 @pytest.mark.parametrize("select, code", [
     ("equal and not unequal", 0),
     ("equal or raises_nothing", 1),  # one of them failed in the suite's run
     ("(equal and not unequal) or skipped", 0),  # skipped there and here alike
 ])
-def test_the_suites_report_serves_as_the_control_for_the_tests_collected(tmp_path, select, code):
+def test_the_suites_report_serves_as_the_control_for_the_tests_collected(tmp_path, suite_report, select, code):
     """``make test``'s control: the named tests, collected by pytest, each passed in the whole
     run's report; one the report lacks fails the control."""
     suite = tmp_path / "suite.xml"
-    suite.write_text(_report(tmp_path, ""))  # every sample test, as the suite runs them all
+    suite.write_text(suite_report)
+    (tmp_path / "test_sample.py").write_text(TESTS)
     collected = tmp_path / "collected.txt"
     collected.write_text(subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "test_sample.py", "-k", select],
