@@ -115,9 +115,8 @@ class Server:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
                    *address, *default_launch_args(self.dtype), *self.extra_args]
         env = {**cpu_env(), **self.env}
-        forker = zygote.shared(cpu_env())
-        if forker is not None and forker.takes(env):
-            self.proc = forker.spawn(cmd[1:], env, self.log_path)
+        self.proc = zygote.spawn_or_none(zygote.shared(cpu_env()), cmd[1:], env, self.log_path)
+        if self.proc is not None:
             return self
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

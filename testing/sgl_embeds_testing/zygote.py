@@ -238,6 +238,10 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+class ZygoteError(RuntimeError):
+    pass
+
+
 class Zygote:
     """The test process's handle on one zygote, started with environment ``env``."""
 
@@ -262,7 +266,7 @@ class Zygote:
     def _reply(self) -> dict:
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the zygote exited:\n{Path(self._log.name).read_text(errors='replace')[-3000:]}")
+            raise ZygoteError(f"the zygote exited:\n{Path(self._log.name).read_text(errors='replace')[-3000:]}")
         return json.loads(line)
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path, cwd: str | None = None,
@@ -295,11 +299,11 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
     """``subprocess.run([sys.executable, *argv], capture_output=True, text=True)``, forked from the
     shared zygote where it takes ``env``."""
     forker = shared(env)
-    if forker is None or not forker.takes(env):
-        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = forker.spawn(argv, env, out, err_path=err)
+        child = spawn_or_none(forker, argv, env, out, err_path=err)
+        if child is None:
+            return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -310,19 +314,33 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
                                            err.read_text(errors="replace"))
 
 
+def spawn_or_none(forker: Zygote | None, argv: list[str], env: dict[str, str], log_path: Path,
+                  err_path: Path | None = None) -> Forked | None:
+    """``forker.spawn(...)`` where it takes ``env``; None where it does not or has died (said on
+    stderr): the caller starts a fresh interpreter."""
+    if forker is None or not forker.takes(env):
+        return None
+    try:
+        return forker.spawn(argv, env, log_path, err_path=err_path)
+    except ZygoteError as e:
+        print(f"[zygote] launching fresh interpreters from now on: {e}", file=sys.stderr)
+        return None
+
+
 _shared: Zygote | None = None
 _shared_lock = threading.Lock()
 
 
 def shared(env: dict[str, str]) -> Zygote | None:
-    """The test run's zygote (started at the first call, with ``env``), or None when turned off."""
+    """The test run's zygote (started at the first call, with ``env``); None when turned off or
+    when it has died (it would again)."""
     global _shared
     if not enabled():
         return None
     with _shared_lock:
-        if _shared is None or not _shared.alive():
+        if _shared is None:
             _shared = Zygote(env)
-        return _shared
+        return _shared if _shared.alive() else None
 
 
 def stop_shared() -> None:

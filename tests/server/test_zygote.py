@@ -98,3 +98,19 @@ def test_a_shared_log_keeps_every_line_of_both_streams_in_order(forker, tmp_path
     log = tmp_path / "shared.log"
     assert forker.spawn([str(script)], cpu_env(), log).wait(60) == 0
     assert log.read_text().splitlines() == [f"{stream} {i}" for i in range(50) for stream in ("out", "err")]
+
+
+def test_a_zygote_that_died_leaves_the_launch_to_a_fresh_interpreter(tmp_path, capsys):
+    shadow = tmp_path / "shadow" / "sglang"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("import time\ntime.sleep(2)\nraise ImportError('no SGLang here')\n")
+    env = {**cpu_env(), "PYTHONPATH": str(shadow.parent)}
+    dying = zygote.Zygote(env)
+    try:
+        assert dying.takes(env)  # still importing
+        assert zygote.spawn_or_none(dying, ["-c", "pass"], env, tmp_path / "log") is None
+        assert "no SGLang here" in capsys.readouterr().err
+        dying._proc.wait(timeout=30)
+        assert not dying.alive() and not dying.takes(env)
+    finally:
+        dying.stop()
