@@ -114,8 +114,9 @@ class Server:
         else:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
                    *address, *default_launch_args(self.dtype), *self.extra_args]
-        env = {**cpu_env(), **self.env}
-        self.proc = zygote.spawn_or_none(zygote.shared(cpu_env()), cmd[1:], env, self.log_path)
+        base = cpu_env()
+        env = {**base, **self.env}
+        self.proc = zygote.spawn_or_none(zygote.shared(base), cmd[1:], env, self.log_path)
         if self.proc is not None:
             return self
         log = open(self.log_path, "wb")

@@ -77,9 +77,9 @@ def _run_in_place(argv: list[str]) -> None:
 
 def _exec_in_place(threads_at_fork: int, real_execve: Any):
     def execve(path: str, args: list[str], env: dict[str, str]) -> None:
-        args = list(args)
-        in_place = path == sys.executable and len(args) > 2 and args[1] == "-m" and _os_threads() <= threads_at_fork
-        print(f"[zygote] exec {'in place' if in_place else 'for real'} ({_os_threads()} threads, "
+        args, threads = list(args), _os_threads()
+        in_place = path == sys.executable and len(args) > 2 and args[1] == "-m" and threads <= threads_at_fork
+        print(f"[zygote] exec {'in place' if in_place else 'for real'} ({threads} threads, "
               f"{threads_at_fork} at fork): {' '.join(args[1:3])}", file=sys.stderr, flush=True)
         if in_place:
             os.environ.clear()

@@ -114,3 +114,17 @@ def test_a_zygote_that_died_leaves_the_launch_to_a_fresh_interpreter(tmp_path, c
         assert not dying.alive() and not dying.takes(env)
     finally:
         dying.stop()
+
+
+def test_the_preload_is_what_launch_server_imports_before_and_after_its_plugins():
+    """The zygote stands in for `python -m sglang.launch_server` only while it imports what that
+    module imports before `load_plugins()` (at its top) and its HTTP server after (in run_server)."""
+    import ast
+    import importlib.util
+
+    source = ast.parse(open(importlib.util.find_spec("sglang.launch_server").origin).read())
+    at_top = {node.module for node in source.body if isinstance(node, ast.ImportFrom) and node.module.startswith("sglang")}
+    assert at_top == set(zygote.BEFORE_PLUGINS)
+    [run_server] = [node for node in source.body if isinstance(node, ast.FunctionDef) and node.name == "run_server"]
+    later = {node.module for node in ast.walk(run_server) if isinstance(node, ast.ImportFrom)}
+    assert set(zygote.AFTER_PLUGINS) <= later
