@@ -44,6 +44,7 @@ from programs.vqa import visual_qa  # noqa: E402
 from sgl_embeds.serve import launch  # noqa: E402
 from sgl_embeds.vlm import render_chat  # noqa: E402
 from sgl_embeds_testing import reference as ref  # noqa: E402
+from sgl_embeds_testing.gemma3 import PUBLISHED_4B, published_gemma3_dir  # noqa: E402
 from sgl_embeds_testing.llava_next import published_llava_onevision_dir  # noqa: E402
 from sgl_embeds_testing.encoders import synthetic_scene  # noqa: E402
 from sgl_embeds_testing.qwen_vl import PUBLISHED, hf_qwen_vl, published_qwen_vl_dir, qwen_vl_greedy  # noqa: E402
@@ -55,12 +56,14 @@ GB = 1e9
 @dataclass(frozen=True)
 class Model:
     """A published checkpoint's size: its hub id, the builder of its random-weight copy, HF's
-    greedy on it and HF's model."""
+    greedy on it and HF's model; ``kv_tokens``: the server's KV pool in tokens, where serve's
+    default would not fit beside the weights in this machine's memory."""
 
     hub_id: str
     checkpoint: Callable[[], Path]
     greedy: Callable  # (checkpoint, text, images, max_new_tokens, prefix=()) -> ref.Greedy
     model: Callable[[str], object]
+    kv_tokens: int | None = None
 
 
 MODELS = {
@@ -68,6 +71,9 @@ MODELS = {
                                   ref.llava_greedy, lambda c: ref.hf_llava(c)[0]),
     **{name: Model(PUBLISHED[name][1], functools.partial(published_qwen_vl_dir, name), qwen_vl_greedy,
                    lambda c: hf_qwen_vl(c)[0]) for name in PUBLISHED},
+    # 15.6 GB of float32 weights on the server: serve's 16384-token pool would add 4.6 GB
+    "gemma3_4b": Model(PUBLISHED_4B[0], published_gemma3_dir, ref.gemma3_greedy, lambda c: ref.hf_gemma3(c)[0],
+                       kv_tokens=2048),
 }
 
 
@@ -90,7 +96,8 @@ def run(name: str, tokens: int) -> dict:
     print(f"[{name}] checkpoint {checkpoint} ({size:.2f} GB, {build_s:.0f} s to build or find)", flush=True)
     image = synthetic_scene().resize((448, 448))  # sky, grass, a red square, a blue disc
     other = image.transpose(0).rotate(90)  # mirrored and turned
-    served, load_s = timed(lambda: launch(checkpoint, "--enable-cache-report", timeout=3600))
+    pool = ("--max-total-tokens", str(model.kv_tokens)) if model.kv_tokens else ()
+    served, load_s = timed(lambda: launch(checkpoint, "--enable-cache-report", *pool, timeout=3600))
     try:
         rss_ready = tree_rss(served.process.pid)
         backend, connect_s = timed(lambda: sgl_embeds.connect(served.url, device="cpu"))

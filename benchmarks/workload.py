@@ -47,6 +47,7 @@ client sees: a prefill that ends while a request is on its way can serve it).
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import threading
@@ -71,6 +72,16 @@ from sgl_embeds.writer import HeldSpans, SpanWriter
 from sgl_embeds_protocol import segments as seg
 
 ARMS = ("stock raw image", "ours inline", "ours by handle")
+# issue #49's further clients: the path VLM developers use today for precomputed rows (the whole
+# prompt's embeddings in ``input_embeds``, which stock serves only with its radix cache off), and
+# ours without the client's encoder cache (every item's tower pass again on every turn)
+INPUT_EMBEDS, NO_ENCODER_CACHE = "stock input_embeds", "ours inline, no encoder cache"
+# stock's raw images with each file's SHA-256 (``mm_content_hashes``): a server started with
+# ``--trust-mm-content-hashes`` and its preprocess cache skips reading, decoding and processing an
+# image it holds
+HASHED_IMAGE = "stock raw image, content hashes"
+CLIENTS = (*ARMS, INPUT_EMBEDS, NO_ENCODER_CACHE, HASHED_IMAGE)
+RAW_IMAGE_CLIENTS = (ARMS[0], HASHED_IMAGE)  # the clients that send pixels, not rows
 QUESTIONS = ("what is in this picture?", "which colors are there?", "describe the top left corner.",
              "is there any text?", "how many objects do you see?", "what stands out here?")
 NEW_REGION_SHARE = 0.3  # of new items, once an image was seen: a box (2/3) or a mask (1/3) of one
@@ -150,9 +161,10 @@ class Turn:
 
 
 def plan_turns(users: int, turns: int, reuse: float, seed: int, image_side: int,
-               zipf_s: float = 1.0) -> list[Turn]:
+               zipf_s: float = 1.0, region_share: float = NEW_REGION_SHARE) -> list[Turn]:
     """The turns of ``users`` chats of ``turns`` turns, in the planned order (see the module
-    docstring); the same arguments give the same list."""
+    docstring); the same arguments give the same list. ``region_share``: of new items once an
+    image was seen, the share that are a box or a mask of one (0: whole images only)."""
     if not 0.0 <= reuse < 1.0:
         raise ValueError(f"reuse is a share of turns in [0, 1), got {reuse}")
     rng = np.random.default_rng(seed)
@@ -167,13 +179,36 @@ def plan_turns(users: int, turns: int, reuse: float, seed: int, image_side: int,
         if k in reused:
             item = seen[_zipf(rng, len(seen), zipf_s)]
         else:
-            if images and rng.random() < NEW_REGION_SHARE:
+            if images and rng.random() < region_share:
                 item = Item(images[_zipf(rng, len(images), zipf_s)], _region(rng, image_side))
             else:
                 item = Item(seed * 100_000 + len(images))
                 images.append(item.image)
             seen.append(item)
         plan.append(Turn(user, index, item, QUESTIONS[int(rng.integers(len(QUESTIONS)))], k in reused))
+    return plan
+
+
+def plan_agent_chat(turns: int, seed: int) -> list[Turn]:
+    """Issue #49 (a), an agent's chat: one user, ``turns`` turns, each a new whole image (a
+    screenshot), every earlier one kept in the chat."""
+    return plan_turns(1, turns, 0.0, seed, image_side=0, region_share=0.0)
+
+
+def plan_shared_qa(requests_: int, pool: int, seed: int, zipf_s: float = 1.0) -> list[Turn]:
+    """Issue #49 (b), shared-image Q&A: ``requests_`` one-turn chats, each from its own user (a
+    request's ``user`` is its place in the plan, its arrival order), about a whole image of a
+    pool of ``pool`` drawn by a Zipf law over the pool (rank k with weight ``1 / k**zipf_s``),
+    with a question of ``QUESTIONS``; ``reuse``: the image was asked about before."""
+    if pool < 1 or requests_ < 1:
+        raise ValueError(f"pool and requests must be at least 1, got {pool} and {requests_}")
+    rng = np.random.default_rng(seed)
+    seen: set[Item] = set()
+    plan = []
+    for k in range(requests_):
+        item = Item(seed * 100_000 + _zipf(rng, pool, zipf_s))
+        plan.append(Turn(k, 0, item, QUESTIONS[int(rng.integers(len(QUESTIONS)))], item in seen))
+        seen.add(item)
     return plan
 
 
@@ -195,11 +230,12 @@ def plan_record(plan: list[Turn]) -> list[dict]:
 
 
 @lru_cache(maxsize=512)
-def pool_image(seed: int, side: int) -> Image.Image:
-    """Image ``seed`` of the pool: a smooth random picture (a 12x12 grid of colours, upscaled),
-    which a PNG stores in about a third of its raw bytes."""
+def pool_image(seed: int, side: int | tuple[int, int]) -> Image.Image:
+    """Image ``seed`` of the pool, ``side`` pixels square (or ``(width, height)``): a smooth random
+    picture (a 12x12 grid of colours, upscaled), which a PNG stores in about a third of its raw
+    bytes."""
     small = np.random.default_rng(seed).integers(0, 256, (12, 12, 3), dtype=np.uint8)
-    return Image.fromarray(small).resize((side, side), Image.BICUBIC)
+    return Image.fromarray(small).resize((side, side) if isinstance(side, int) else side, Image.BICUBIC)
 
 
 def region_of(item: Item, side: int) -> Any:
@@ -238,25 +274,34 @@ class Answer:
 @dataclass
 class ArmClient:
     """One arm's client, shared by its users: the server, the vision half and its cache, the
-    span writer, the tokenizer (for the ideal hit rate) and what was made before the clock."""
+    span writer, the tokenizer (for the ideal hit rate) and what was made before the clock.
+    ``image_side``: the pool's images are this many pixels square, or ``(width, height)``;
+    ``system``: a system prompt opening every chat; ``embed_tokens``: the language model's token
+    embedding table (``INPUT_EMBEDS``' client makes the prompt's text rows with it)."""
 
     arm: str
     url: str
     encoder: Any  # vlm.QwenVLEncoder
     tokenizer: Any
-    image_side: int
+    image_side: int | tuple[int, int]
     answer_tokens: int = 8
+    system: str | None = None
+    embed_tokens: torch.Tensor | None = None
     cache: EncoderCache = field(default_factory=EncoderCache)
     tower_s: float = 0.0  # the client's tower time (cache misses)
     tower_rows: int = 0  # ... and the rows it made
+    tower_passes: int = 0  # ... and its passes
     lock: threading.Lock = field(default_factory=threading.Lock)
     _pixels: dict = field(default_factory=dict)
     _png: dict = field(default_factory=dict)
+    _hash: dict = field(default_factory=dict)  # item -> its PNG's content hash (HASHED_IMAGE)
     _rows: dict = field(default_factory=dict)  # item -> rows of the prompt (for the ideal)
 
     def __post_init__(self) -> None:
-        if self.arm not in ARMS:
-            raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
+        if self.arm not in CLIENTS:
+            raise ValueError(f"arm must be one of {CLIENTS}, got {self.arm!r}")
+        if (self.arm == INPUT_EMBEDS) != (self.embed_tokens is not None):
+            raise ValueError(f"{INPUT_EMBEDS!r}, and only it, needs embed_tokens")
         held = HeldSpans() if self.arm == "ours by handle" else None
         self.writer = SpanWriter(self.encoder.span_width, "base64", None, held)
 
@@ -267,29 +312,41 @@ class ArmClient:
             pixels = region_image(image, region_of(item, self.image_side), self.encoder)
             self._pixels[item] = pixels
             self._rows[item] = self.encoder.rows_for(*pixels.size)
-            if self.arm == "stock raw image":
+            if self.arm in RAW_IMAGE_CLIENTS:
                 buf = io.BytesIO()
                 pixels.save(buf, format="PNG")
                 self._png[item] = base64.b64encode(buf.getvalue()).decode()
+                self._hash[item] = "sha256:" + hashlib.sha256(buf.getvalue()).hexdigest()
 
     def encode(self, item: Item) -> seg.Span:
-        """The item's rows through the shared cache (one tower pass at a time), as a span."""
+        """The item's rows through the shared cache (one tower pass at a time; without the cache,
+        ``NO_ENCODER_CACHE``, a pass every time), as a span."""
         with self.lock:
-            misses = self.cache.misses
+            cache = self.cache if self.arm != NO_ENCODER_CACHE else EncoderCache()
+            misses = cache.misses
             t0 = time.perf_counter()
             image = pool_image(item.image, self.image_side)
-            out = self.cache.encode(self.encoder, image, region_of(item, self.image_side))
-            if self.cache.misses > misses:
+            out = cache.encode(self.encoder, image, region_of(item, self.image_side))
+            if cache.misses > misses:
                 self.tower_s += time.perf_counter() - t0
                 self.tower_rows += out.rows.shape[0]
+                self.tower_passes += 1
         return seg.Span(out.rows, grid=out.grid)
 
     def body(self, pieces: list) -> tuple[dict, list[torch.Tensor]]:
         """The ``/generate`` body (less its sampling) of a prompt of text pieces and items, and
         the rows of its spans."""
-        if self.arm == "stock raw image":
+        if self.arm in RAW_IMAGE_CLIENTS:
             text = "".join(p if isinstance(p, str) else IMAGE_PAD for p in pieces)
-            return {"text": text, "image_data": [self._png[p] for p in pieces if isinstance(p, Item)]}, []
+            items = [p for p in pieces if isinstance(p, Item)]
+            body = {"text": text, "image_data": [self._png[p] for p in items]}
+            if self.arm == HASHED_IMAGE:
+                body["mm_content_hashes"] = [self._hash[p] for p in items]
+            return body, []
+        if self.arm == INPUT_EMBEDS:  # the whole prompt's rows, as JSON lists (stock's only form)
+            rows = [self.embed_tokens[self._ids(p)] if isinstance(p, str) else self.encode(p).rows
+                    for p in pieces]
+            return {"input_embeds": torch.cat(rows).tolist()}, []
         segments = [seg.Text(p) if isinstance(p, str) else self.encode(p) for p in pieces]
         with self.lock:  # the held spans are one LRU
             fields = self.writer.fields("input_segments", [segments], False, check_values=False)
@@ -297,22 +354,22 @@ class ArmClient:
 
     def forget_prepared(self) -> None:
         """Drop what ``prepare`` made (a long run's harness memory, not a client's)."""
-        for made in (self._pixels, self._png, self._rows):
+        for made in (self._pixels, self._png, self._hash, self._rows):
             made.clear()
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def atoms(self, pieces: list) -> list:
         """The prompt as the server counts it: its tokens (with what the tokenizer puts first,
-        as the server tokenizes), an item as its rows."""
-        out: list = self.tokenizer.encode("", add_special_tokens=True)
+        as the server tokenizes text), an item as its rows."""
+        out: list = [] if self.arm == INPUT_EMBEDS else self.tokenizer.encode("", add_special_tokens=True)
         for p in pieces:
-            if isinstance(p, str):
-                out += self.tokenizer.encode(p, add_special_tokens=False)
-            else:
-                out += [("row", p, i) for i in range(self._rows[p])]
+            out += self._ids(p) if isinstance(p, str) else [("row", p, i) for i in range(self._rows[p])]
         return out
 
     def ask(self, turn: Turn, history: list[tuple[Turn, str]]) -> Answer:
-        pieces = chat_pieces(history, turn)
+        pieces = chat_pieces(history, turn, self.system)
         sent = time.perf_counter()
         body, spans = self.body(pieces)
         resent = False
@@ -345,9 +402,10 @@ class ArmClient:
                       posted, first, done, len(payload), received, resent)
 
 
-def chat_pieces(history: list[tuple[Turn, str]], turn: Turn) -> list:
-    """The chat so far and ``turn``'s question in Qwen's chat format: text pieces and items."""
-    pieces: list = []
+def chat_pieces(history: list[tuple[Turn, str]], turn: Turn, system: str | None = None) -> list:
+    """The chat so far and ``turn``'s question in Qwen's chat format, after the ``system`` prompt
+    if any: text pieces and items."""
+    pieces: list = [] if system is None else [f"<|im_start|>system\n{system}<|im_end|>\n"]
     for t, answer in [*history, (turn, None)]:
         pieces += [f"<|im_start|>user\n{VISION_START}", t.item,
                    f"{VISION_END}{t.question}<|im_end|>\n<|im_start|>assistant\n"]
@@ -444,29 +502,62 @@ def run_episode(client: ArmClient, plan: list[Turn], server_pids: list[int] = ()
         pool.shutdown()
     if errors:
         raise errors[0]
+    return _measures(client, plan, answers, t0, wall, server_rss.peak, client_rss.peak)
+
+
+def run_open_loop(client: ArmClient, plan: list[Turn], rate: float | None, seed: int,
+                  server_pids: list[int] = ()) -> dict:
+    """``plan``'s one-turn chats (``plan_shared_qa``) sent open loop: request k at the k-th
+    arrival of a Poisson process of ``rate`` per second (the gaps drawn from ``seed``, the same
+    for every arm), whether or not the earlier ones were answered; ``rate`` None: all at once (the
+    server's saturation). The measures of ``run_episode``, and ``offered_per_s``; its
+    ``requests_per_s`` is the plan over the time from the first arrival to the last answer."""
+    if any(t.index for t in plan):
+        raise ValueError("an open-loop plan is of one-turn chats")
+    client.prepare(plan)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(plan)) if rate else np.zeros(len(plan))
+    arrivals = np.cumsum(gaps) - gaps[0]
+    answers: list[Answer] = []
+    with RssPeak(list(server_pids)) as server_rss, RssPeak([psutil.Process().pid], children=False) as client_rss, \
+            ThreadPoolExecutor(len(plan)) as pool:
+        t0 = time.perf_counter()
+
+        def arrive(k: int) -> Answer:
+            time.sleep(max(0.0, t0 + arrivals[k] - time.perf_counter()))
+            return client.ask(plan[k], [])
+
+        answers = [f.result() for f in [pool.submit(arrive, k) for k in range(len(plan))]]
+        wall = time.perf_counter() - t0
+    out = _measures(client, plan, answers, t0, wall, server_rss.peak, client_rss.peak)
+    return {**out, "offered_per_s": rate}
+
+
+def _measures(client: ArmClient, plan: list[Turn], answers: list[Answer], t0: float, wall: float,
+              server_rss_peak: int, client_rss_peak: int) -> dict:
+    """An episode's measures from its answers (``run_episode``)."""
     answers.sort(key=lambda a: (a.user, a.index))
     ttft = [a.first - a.sent for a in answers]
     e2e = [a.done - a.sent for a in answers]
     distinct = len({t.item for t in plan})
     prompt = sum(a.prompt_tokens for a in answers)
-    ours = client.arm != "stock raw image"
+    ours = client.arm not in RAW_IMAGE_CLIENTS
     return {
         "arm": client.arm, "turns": len(answers), "wall_s": wall, "requests_per_s": len(answers) / wall,
         "ttft_s": ttft, "e2e_s": e2e,
-        "tower_passes_per_item": client.cache.misses / distinct if ours else None,
+        "tower_passes_per_item": client.tower_passes / distinct if ours else None,
         "client_tower_s": client.tower_s, "client_tower_rows": client.tower_rows,
         "hit_rate": sum(a.cached_tokens for a in answers) / prompt,
         "ideal_hit_rate": ideal_hit_rate(answers),
         "ideal_hit_rate_prefilled": ideal_hit_rate(answers, in_prefill=False),
         "atoms_match_prompt_tokens": sum(len(a.prompt_atoms) == a.prompt_tokens for a in answers),
-        "server_rss_peak": server_rss.peak, "client_rss_peak": client_rss.peak,
+        "server_rss_peak": server_rss_peak, "client_rss_peak": client_rss_peak,
         "request_bytes": sum(a.request_bytes for a in answers),
         "response_bytes": sum(a.response_bytes for a in answers),
         "resent": sum(a.resent for a in answers),
         "client_request_s": sum(a.posted - a.sent for a in answers) / len(answers),
         "answers": [{"user": a.user, "index": a.index, "item": asdict(a.item), "text": a.text,
                      "output_tokens": len(a.output_ids), "prompt_tokens": a.prompt_tokens,
-                     "cached_tokens": a.cached_tokens, "resent": a.resent,
+                     "cached_tokens": a.cached_tokens, "resent": a.resent, "request_bytes": a.request_bytes,
                      "sent_s": a.sent - t0, "first_s": a.first - t0} for a in answers],
     }
 

@@ -64,6 +64,20 @@ _PROJECTOR_NORM = "multi_modal_projector.mm_soft_emb_norm.weight"
 _FINAL_NORM = "language_model.model.norm.weight"
 
 
+# google/gemma-3-4b-it's config.json (the smallest Gemma 3 with images): the text model (five
+# sliding layers to one full; linear rope x8 on the full layers) and the SigLIP tower at 896 px
+PUBLISHED_4B = ("google/gemma-3-4b-it", dict(
+    hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+    max_position_embeddings=131072, rms_norm_eps=1e-6, vocab_size=262208,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+    image_size=896, patch_size=14), 256)
+# the language model x4 from HF's init, as the other published sizes (llava_next.PUBLISHED_INIT)
+PUBLISHED_INIT = (4, 4.0, 2.0)
+
+
 def tiny_gemma3_dir(layout: str = "saved") -> Path:
     """A tiny random-weight ``Gemma3ForConditionalGeneration`` (float32) with its processor
     (module docstring). ``layout``: as ``models.tiny_llava_dir``'s (``"saved"``: transformers'
@@ -71,34 +85,52 @@ def tiny_gemma3_dir(layout: str = "saved") -> Path:
     ``model.vision_tower.vision_model.*``, ...)."""
     if layout not in ("saved", "model"):
         raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
+    text = dict(hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=len(LAYER_TYPES),
+                layer_types=list(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
+                max_position_embeddings=1024)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    return _gemma3_dir(f"tiny-gemma3-{layout}-{GEMMA3_CACHE_VERSION}", layout, text, vision,
+                       ROWS_PER_IMAGE, _INIT)
+
+
+def published_gemma3_dir() -> Path:
+    """Gemma 3 4B at its published sizes (``PUBLISHED_4B``), random weights (``PUBLISHED_INIT``),
+    float32, our tokenizer with the embeddings at the published vocabulary size (for
+    ``benchmarks/real_size.py``)."""
+    _, text, vision, rows = PUBLISHED_4B
+    return _gemma3_dir(f"published-gemma3_4b-{GEMMA3_CACHE_VERSION}", "saved", text, vision, rows,
+                       PUBLISHED_INIT)
+
+
+def _gemma3_dir(name: str, layout: str, text_size: dict, vision_size: dict, rows_per_image: int,
+                init: tuple[int, float, float]) -> Path:
+    """A random ``Gemma3ForConditionalGeneration`` of these text and SigLIP settings (the vocabulary
+    is our tokenizer's unless ``text_size`` says), ``rows_per_image`` soft tokens an image, with
+    its processor; ``init``: as ``save_scaled_vlm``'s."""
 
     def build(tmp: Path) -> None:
         train_tokenizer(tmp / "tokenizer", extra_specials=(BOI, IMAGE, EOI, TURN_START, TURN_END))
         tok = AutoTokenizer.from_pretrained(tmp / "tokenizer", extra_special_tokens={
             "boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI})
         shutil.rmtree(tmp / "tokenizer")
+        pixels = vision_size["image_size"]
         image_processor = Gemma3ImageProcessor(
-            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
-            image_std=[0.5] * 3)
+            size={"height": pixels, "width": pixels}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
         processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok,
-                                    chat_template=CHAT_TEMPLATE, image_seq_length=ROWS_PER_IMAGE)
-        text = Gemma3TextConfig(
-            vocab_size=len(tok), hidden_size=TINY_HIDDEN, intermediate_size=128,
-            num_hidden_layers=len(LAYER_TYPES), layer_types=list(LAYER_TYPES),
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-            sliding_window=SLIDING_WINDOW, max_position_embeddings=1024,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH,
-                                    vision_use_head=False)
+                                    chat_template=CHAT_TEMPLATE, image_seq_length=rows_per_image)
+        text = Gemma3TextConfig(**{"vocab_size": len(tok), **text_size},
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        vision = SiglipVisionConfig(**vision_size, vision_use_head=False)
         config = Gemma3Config(
             text_config=text.to_dict(), vision_config=vision.to_dict(),
-            mm_tokens_per_image=ROWS_PER_IMAGE, boi_token_index=tok.boi_token_id,
+            mm_tokens_per_image=rows_per_image, boi_token_index=tok.boi_token_id,
             eoi_token_index=tok.convert_tokens_to_ids(EOI), image_token_index=tok.image_token_id)
-        save_scaled_vlm(Gemma3ForConditionalGeneration, config, _INIT, tmp, embed_scale=EMBED_SCALE)
+        save_scaled_vlm(Gemma3ForConditionalGeneration, config, init, tmp, embed_scale=EMBED_SCALE)
         weights = load_file(str(tmp / "model.safetensors"))
-        torch.manual_seed(_INIT[0])
+        torch.manual_seed(init[0])
         weights[_PROJECTION] = torch.randn_like(weights[_PROJECTION]) * PROJECTION_STD
         weights[_PROJECTOR_NORM] = torch.randn_like(weights[_PROJECTOR_NORM]) * 0.5  # zero at init
         weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
@@ -108,4 +140,4 @@ def tiny_gemma3_dir(layout: str = "saved") -> Path:
         if layout == "model":
             _rename_to_model_layout(tmp)
 
-    return build_once(cache_dir() / f"tiny-gemma3-{layout}-{GEMMA3_CACHE_VERSION}", build)
+    return build_once(cache_dir() / name, build)
