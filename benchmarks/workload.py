@@ -269,6 +269,7 @@ class Answer:
     request_bytes: int
     response_bytes: int
     resent: bool = False  # a handle the server did not hold: sent again inline
+    tower_s: float = 0.0  # the client's tower time in this turn (its cache misses)
 
 
 @dataclass
@@ -292,6 +293,7 @@ class ArmClient:
     tower_rows: int = 0  # ... and the rows it made
     tower_passes: int = 0  # ... and its passes
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _turn: threading.local = field(default_factory=threading.local)  # the asking thread's tower time
     _pixels: dict = field(default_factory=dict)
     _png: dict = field(default_factory=dict)
     _hash: dict = field(default_factory=dict)  # item -> its PNG's content hash (HASHED_IMAGE)
@@ -329,6 +331,7 @@ class ArmClient:
             out = cache.encode(self.encoder, image, region_of(item, self.image_side))
             if cache.misses > misses:
                 self.tower_s += time.perf_counter() - t0
+                self._turn.tower_s = getattr(self._turn, "tower_s", 0.0) + time.perf_counter() - t0
                 self.tower_rows += out.rows.shape[0]
                 self.tower_passes += 1
         return seg.Span(out.rows, grid=out.grid)
@@ -370,6 +373,7 @@ class ArmClient:
 
     def ask(self, turn: Turn, history: list[tuple[Turn, str]]) -> Answer:
         pieces = chat_pieces(history, turn, self.system)
+        self._turn.tower_s = 0.0
         sent = time.perf_counter()
         body, spans = self.body(pieces)
         resent = False
@@ -399,7 +403,7 @@ class ArmClient:
         meta = last["meta_info"]
         return Answer(turn.user, turn.index, turn.item, last["text"], list(last["output_ids"]),
                       meta["prompt_tokens"], meta.get("cached_tokens", 0), self.atoms(pieces), sent,
-                      posted, first, done, len(payload), received, resent)
+                      posted, first, done, len(payload), received, resent, self._turn.tower_s)
 
 
 def chat_pieces(history: list[tuple[Turn, str]], turn: Turn, system: str | None = None) -> list:
@@ -558,6 +562,7 @@ def _measures(client: ArmClient, plan: list[Turn], answers: list[Answer], t0: fl
         "answers": [{"user": a.user, "index": a.index, "item": asdict(a.item), "text": a.text,
                      "output_tokens": len(a.output_ids), "prompt_tokens": a.prompt_tokens,
                      "cached_tokens": a.cached_tokens, "resent": a.resent, "request_bytes": a.request_bytes,
+                     "tower_s": a.tower_s,
                      "sent_s": a.sent - t0, "first_s": a.first - t0} for a in answers],
     }
 
