@@ -186,8 +186,10 @@ def run(args: argparse.Namespace, vlm_dir: Path | None = None, servers: dict | N
     embed_tokens = embedding_table(vlm_dir)
     own = servers is None
     if own:
-        servers = make_servers({ALL_ARMS[a].server for w in args.workloads for a in WORKLOAD_ARMS[w]}, vlm_dir)
-    arms = {w: [ALL_ARMS[a] for a in WORKLOAD_ARMS[w] if ALL_ARMS[a].server in servers] for w in args.workloads}
+        servers = make_servers({ALL_ARMS[a].server for w in args.workloads for a in WORKLOAD_ARMS[w]
+                                if a not in args.skip_arms}, vlm_dir)
+    arms = {w: [ALL_ARMS[a] for a in WORKLOAD_ARMS[w] if ALL_ARMS[a].server in servers and a not in args.skip_arms]
+            for w in args.workloads}
     size = {"agent": args.screen, "shared": args.image_side, "chat": args.image_side}
     system = {"shared": SYSTEM_PROMPT}
 
@@ -400,6 +402,8 @@ def verdicts(results: dict, args: argparse.Namespace) -> str:
         ratio = med("shared", BY_HANDLE, rps, saturation) / med("shared", STOCK_TUNED, rps, saturation)
         verdict("(b) shared Q&A at saturation: ours by handle's requests/s >= 1.3x tuned stock's", ratio >= 1.3,
                 f"{ratio:.2f}x", "shared", BY_HANDLE, saturation)
+        lines.append(f"  - where the turns go at saturation: tuned stock's {largest_stages(results, 'shared', STOCK_TUNED, saturation)}; "
+                     f"ours by handle's {largest_stages(results, 'shared', BY_HANDLE, saturation)}")
     if has("chat", BY_HANDLE_BF16, STOCK_EMBEDS):
         rps = lambda e: e["requests_per_s"]
         ratio = med("chat", BY_HANDLE_BF16, rps) / med("chat", STOCK_EMBEDS, rps)
@@ -460,11 +464,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="vlm_wins", help="results: benchmarks/results/NAME.{md,json,png}")
+    ap.add_argument("--skip-arms", default=[], type=lambda v: [a for a in v.split(",") if a],
+                    help="arms left out, comma-separated (their names as in the tables)")
     ap.add_argument("--report-only", action="store_true", help="the tables again from results/NAME.json")
     args = ap.parse_args(argv)
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; of {WORKLOADS}")
+    if set(args.skip_arms) - set(ALL_ARMS):
+        ap.error(f"unknown arms {sorted(set(args.skip_arms) - set(ALL_ARMS))}; of {list(ALL_ARMS)}")
     return args
 
 
