@@ -424,7 +424,8 @@ def plot(results: dict, args: argparse.Namespace) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], panels):
-        for color, arm in zip(("C3", "C1", "C0", "C2", "C4", "C5", "C6"), work[workload]["arms"]):
+        for arm in work[workload]["arms"]:
+            color = f"C{list(ALL_ARMS).index(arm)}"  # an arm's colour in every panel and file
             if workload == "agent":
                 ttft = per_repeat(results, "agent", arm, lambda e: e["ttft_s"])
                 ax.plot(range(1, args.agent_turns + 1), [statistics.median(t[i] for t in ttft) * 1e3
