@@ -209,11 +209,22 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
                                     extra_args=["--enable-cache-report", "--chunked-prefill-size", "8"]),
         "paligemma2": lambda: Server(tiny_paligemma_dir(2), via_serve=True, env=served["env"],
                                      extra_args=["--enable-cache-report"]),
+        # stock SGLang (the plugin off) tuned as benchmarks/bench_vlm_wins.py tunes it
+        # (tests/server/test_vlm_wins.py); a fresh interpreter's launch, which the pool starts early
+        "qwen_vl_stock_tuned": _tuned_stock,
     }, max_running=MAX_RUNNING)
     pytestconfig.stash[POOL_KEY] = pool
     yield pool
     pool.stop()
     zygote.stop_shared()
+
+
+def _tuned_stock() -> Server:
+    import bench_vlm_wins
+    from common import make_server
+
+    return make_server(tiny_qwen2_5_vl_dir(), plugin=False, extra=[*bench_vlm_wins.MM_ARGS, *bench_vlm_wins.TUNED_ARGS],
+                       env=bench_vlm_wins.TUNED_ENV)
 
 
 def _pooled(name: str):
@@ -228,10 +239,12 @@ def _pooled(name: str):
 
 
 POOLED = ["llama", "qwen", "constrained", "demo", "llava_llama", "llava_qwen", "llava_next", "llava_onevision",
-          "qwen_vl", "qwen_vl_spans", "qwen3_vl", "qwen3_vl_spans", "qwen2_vl_spans", "qwen3_5", "qwen3_5_moe"]
+          "qwen_vl", "qwen_vl_spans", "qwen3_vl", "qwen3_vl_spans", "qwen2_vl_spans", "qwen3_5", "qwen3_5_moe",
+          "qwen_vl_stock_tuned"]
 (llama_server, qwen_server, constrained_server, demo_server, llava_llama_server, llava_qwen_server,
  llava_next_server, llava_onevision_server, qwen_vl_server, qwen_vl_spans_server, qwen3_vl_server,
- qwen3_vl_spans_server, qwen2_vl_spans_server, qwen3_5_server, qwen3_5_moe_server) = map(_pooled, POOLED)
+ qwen3_vl_spans_server, qwen2_vl_spans_server, qwen3_5_server, qwen3_5_moe_server,
+ qwen_vl_stock_tuned_server) = map(_pooled, POOLED)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """``benchmarks/bench_vlm_wins.py`` (issue #49) in a small setting on the tiny Qwen2.5-VL: every
 arm replays the same turns of every workload (the agent's chat, the shared-image Q&A open loop and
 all at once, the multi-turn chat), over two repeats; the tuned stock server runs with its caches
-on, as the bench starts it; the report and the targets come out of the results.
+on, as the bench starts it (the pool's ``qwen_vl_stock_tuned``); the report and the targets come
+out of the results.
 
 Left out here (a launch each): the arms on a server with its radix cache off and the bfloat16
 pair (``stock input_embeds``, which needs the language model served alone); and, for time, the
@@ -12,25 +13,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import psutil
-import pytest
 import requests
 
 import bench_vlm_wins as bench
-from common import make_server
 from workload import HASHED_IMAGE
 
 
-@pytest.fixture(scope="module")
-def tuned_stock(qwen_vl_dir, servers):
-    """Stock SGLang (the plugin off) on the tiny Qwen2.5-VL, tuned as the bench tunes it."""
-    servers.make_room(1)
-    server = make_server(qwen_vl_dir, plugin=False, extra=[*bench.MM_ARGS, *bench.TUNED_ARGS],
-                         env=bench.TUNED_ENV).start()
-    yield server
-    server.stop(drain=0)
-
-
-def test_the_tuned_stock_server_runs_with_its_caches_on(tuned_stock):
+def test_the_tuned_stock_server_runs_with_its_caches_on(qwen_vl_stock_tuned_server):
+    tuned_stock = qwen_vl_stock_tuned_server
     info = requests.get(tuned_stock.url + "/server_info", timeout=30).json()
     assert info["mm_preprocess_cache_size_mb"] == 2048 and info["trust_mm_content_hashes"] is True, info
     log = tuned_stock.log_path.read_text(errors="replace")
@@ -42,12 +32,12 @@ def test_the_tuned_stock_server_runs_with_its_caches_on(tuned_stock):
     assert bench.ALL_ARMS[bench.STOCK_TUNED].client == HASHED_IMAGE  # it sends the hashes the server trusts
 
 
-def test_every_arm_replays_the_same_turns(tuned_stock, qwen_vl_server, qwen_vl_dir):
+def test_every_arm_replays_the_same_turns(qwen_vl_stock_tuned_server, qwen_vl_server, qwen_vl_dir):
     args = bench.parse_args(["--repeats", "2", "--agent-turns", "2", "--late-turn", "2", "--screen", "320x200",
                              "--pool", "3", "--shared-requests", "4", "--rates", "16", "--chat-users", "2",
                              "--chat-turns", "2", "--chat-reuse", "0.5", "--answer-tokens", "2"])
     # the default stock arm is the tuned one's client without hashes: left out here, for time
-    servers = {"stock tuned": tuned_stock, "ours": qwen_vl_server}
+    servers = {"stock tuned": qwen_vl_stock_tuned_server, "ours": qwen_vl_server}
     results = bench.run(args, qwen_vl_dir, servers)
     for workload, run in results["workloads"].items():
         expected_arms = [a for a in bench.WORKLOAD_ARMS[workload] if bench.ALL_ARMS[a].server in servers]
