@@ -402,7 +402,7 @@ def verdicts(results: dict, args: argparse.Namespace) -> str:
             "agent", BY_HANDLE, lambda e: turn_bytes(e, 1))
         verdict(f"(a) ours by handle's request bytes flat in the turn count (turn {args.agent_turns} <= 1.25x turn 2)",
                 growth <= 1.25, f"{growth:.2f}x", "agent", BY_HANDLE)
-    if has("shared", BY_HANDLE, STOCK_TUNED):
+    if has("shared", BY_HANDLE) and (has("shared", STOCK_TUNED) or has("shared", STOCK_SERIAL)):
         saturation = len(args.rates)
         gaps = [med("shared", BY_HANDLE, hit_gap, k) for k in range(saturation + 1)]
         verdict("(b) shared Q&A: ours by handle's prefix hit rate equal to the ideal (within 1 point, every rate)",

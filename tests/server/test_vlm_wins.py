@@ -4,9 +4,10 @@ all at once, the multi-turn chat), over two repeats; the tuned stock server runs
 on, as the bench starts it (the pool's ``qwen_vl_stock_tuned``); the report and the targets come
 out of the results.
 
-Left out here (a launch each): the arms on a server with its radix cache off and the bfloat16
-pair (``stock input_embeds``, which needs the language model served alone); and, for time, the
-default stock arm (the tuned arm's raw images without their hashes)."""
+Left out here (a launch each): the arms on a server with its radix cache off, the bfloat16 pair
+(``stock input_embeds``, which needs the language model served alone) and stock tuned with one
+request a prefill; and, for time, the default stock arm (the tuned arm's raw images without their
+hashes)."""
 
 from __future__ import annotations
 
