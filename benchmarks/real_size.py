@@ -3,12 +3,14 @@ served as a user serves it and checked against HF on the same weights.
 
 A model is a random-weight checkpoint at its published sizes (the published config.json's text
 and vision settings, written down in ``testing``: ``qwen_vl.PUBLISHED``,
-``llava_next.PUBLISHED_ONEVISION_TEXT``; HF's own init, float32, our small tokenizer with the
-embeddings at the published vocabulary size). It is started with ``sgl_embeds.serve.launch`` (split
-or native, as ``serve`` decides), reached with ``connect`` and asked one question about one
-image by ``programs.vqa``; then the server stops and HF's own VLM class answers the same prompt
-(greedy, float32): tokens under ``reference.check_greedy``'s counted near-tie rule, logprobs
-within ``reference.LOGPROB_TOL``, and HF's answer must change with another image.
+``llava_next.PUBLISHED_ONEVISION_TEXT``, ``gemma3.PUBLISHED_4B``, ``paligemma.PUBLISHED_3B``; HF's
+own init scaled as each module says, float32, our small tokenizer with the embeddings at the
+published vocabulary size). It is started with ``sgl_embeds.serve.launch`` (split or native, as
+``serve`` decides), reached with ``connect`` and asked one question about one image by
+``programs.vqa`` (PaliGemma, which has no chat template: in its ``answer en`` task form); then
+the server stops and HF's own VLM class answers the same prompt (greedy, float32): tokens under
+``reference.check_greedy``'s counted near-tie rule, logprobs within ``reference.LOGPROB_TOL``, and
+HF's answer must change with another image.
 
 Recorded per model: checkpoint size; the server's load time (launch to ready) and memory (RSS
 summed over its processes, once ready and after the requests); the client's vision half (load
@@ -18,8 +20,8 @@ and memory. Not part of the test suite (minutes per model).
 
     python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b,qwen2_vl_2b] [--tokens 8]
 
-Qwen2.5-VL-3B is defined but not run here: its server (float32 weights, 15 GB, and its KV pool)
-and the client would not fit 24 GB beside each other.
+The models whose float32 weights take most of this machine's 24 GB run with a small KV pool
+(``Model.kv_tokens``), one at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import sglang as sgl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # programs/
@@ -43,37 +46,68 @@ import sgl_embeds  # noqa: E402
 from programs.vqa import visual_qa  # noqa: E402
 from sgl_embeds.serve import launch  # noqa: E402
 from sgl_embeds.vlm import render_chat  # noqa: E402
+from sgl_embeds.vlm.paligemma import prompt_text  # noqa: E402
+from sgl_embeds.vlm.prompt import image_prompt  # noqa: E402
 from sgl_embeds_testing import reference as ref  # noqa: E402
 from sgl_embeds_testing.gemma3 import PUBLISHED_4B, published_gemma3_dir  # noqa: E402
 from sgl_embeds_testing.llava_next import published_llava_onevision_dir  # noqa: E402
 from sgl_embeds_testing.encoders import synthetic_scene  # noqa: E402
+from sgl_embeds_testing.paligemma import PUBLISHED_3B, published_paligemma_dir  # noqa: E402
 from sgl_embeds_testing.qwen_vl import PUBLISHED, hf_qwen_vl, published_qwen_vl_dir, qwen_vl_greedy  # noqa: E402
 
 QUESTION = "what is in the picture"
 GB = 1e9
 
 
+@sgl.function
+def paligemma_qa(s, image, question: str, bos_token: str, max_tokens: int):
+    """PaliGemma's own prompt form (no chat template): the image, bos, ``question``, a newline."""
+    s += image_prompt(prompt_text(question, bos_token), [image])
+    s += sgl.gen("answer", max_tokens=max_tokens, temperature=0)
+
+
+def chat_question(backend, image, tokens: int) -> tuple:
+    """QUESTION about ``image`` in a chat (``programs.vqa``): the program, its arguments and the
+    prompt text HF's processor is given (the checkpoint's chat template, rendered)."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    return (visual_qa, dict(image=image, question=QUESTION, max_tokens=tokens),
+            render_chat(backend.server_info.model.vision_dir, messages))
+
+
+def paligemma_question(backend, image, tokens: int) -> tuple:
+    """QUESTION as PaliGemma's VQA task prompt (``answer en ...``), as ``chat_question``."""
+    question = f"answer en {QUESTION}"
+    return (paligemma_qa, dict(image=image, question=question, bos_token=backend.vision_encoder.bos_token,
+                               max_tokens=tokens), question)
+
+
 @dataclass(frozen=True)
 class Model:
     """A published checkpoint's size: its hub id, the builder of its random-weight copy, HF's
-    greedy on it and HF's model; ``kv_tokens``: the server's KV pool in tokens, where serve's
-    default would not fit beside the weights in this machine's memory."""
+    greedy on it and HF's model; ``question``: how it is asked (``chat_question``);
+    ``kv_tokens``: the server's KV pool in tokens, where serve's default would not fit beside the
+    weights in this machine's memory."""
 
     hub_id: str
     checkpoint: Callable[[], Path]
     greedy: Callable  # (checkpoint, text, images, max_new_tokens, prefix=()) -> ref.Greedy
     model: Callable[[str], object]
+    question: Callable = chat_question
     kv_tokens: int | None = None
 
 
 MODELS = {
     "llava_onevision_0_5b": Model("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", published_llava_onevision_dir,
                                   ref.llava_greedy, lambda c: ref.hf_llava(c)[0]),
+    # Qwen2.5-VL-3B: 15 GB of float32 weights on the server, and the client's 2.7 GB tower beside it
     **{name: Model(PUBLISHED[name][1], functools.partial(published_qwen_vl_dir, name), qwen_vl_greedy,
-                   lambda c: hf_qwen_vl(c)[0]) for name in PUBLISHED},
+                   lambda c: hf_qwen_vl(c)[0], kv_tokens=2048 if name == "qwen2_5_vl_3b" else None)
+       for name in PUBLISHED},
     # 15.6 GB of float32 weights on the server: serve's 16384-token pool would add 4.6 GB
     "gemma3_4b": Model(PUBLISHED_4B[0], published_gemma3_dir, ref.gemma3_greedy, lambda c: ref.hf_gemma3(c)[0],
                        kv_tokens=2048),
+    "paligemma_3b": Model(PUBLISHED_3B[0], published_paligemma_dir, ref.paligemma_greedy,
+                          lambda c: ref.hf_paligemma(c)[0], question=paligemma_question),
 }
 
 
@@ -103,25 +137,23 @@ def run(name: str, tokens: int) -> dict:
         backend, connect_s = timed(lambda: sgl_embeds.connect(served.url, device="cpu"))
         encoder = backend.vision_encoder
         rows, vision_s = timed(lambda: encoder(image))
-        call = sgl_embeds.compile_program(visual_qa, like=backend, image=image, question=QUESTION,
-                                          max_tokens=tokens)[0]
+        program, arguments, prompt = model.question(backend, image, tokens)
+        call = sgl_embeds.compile_program(program, like=backend, **arguments)[0]
         one = {"temperature": 0, "max_new_tokens": 1}
         _, ttft_cold = timed(lambda: backend.run(input_segments=call, sampling_params=one))
         _, ttft_cached = timed(lambda: backend.run(input_segments=call, sampling_params=one))
         out, answer_s = timed(lambda: backend.run(
             input_segments=call, return_logprob=True, top_logprobs_num=ref.TOP_K,
             sampling_params={"temperature": 0, "max_new_tokens": tokens}))
-        state = visual_qa.run(image=image, question=QUESTION, max_tokens=tokens, backend=backend)
+        state = program.run(**arguments, backend=backend)
         assert state["answer"] == out["text"], (state["answer"], out["text"])
         rss_end = tree_rss(served.process.pid)
-        vision_dir = backend.server_info.model.vision_dir
         served_as = backend.server_info.model.served_as
     finally:
         served.stop()
-    text = render_chat(vision_dir, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
     before = psutil.Process().memory_info().rss
     hf, hf_load_s = timed(lambda: model.model(str(checkpoint)))
-    greedy = functools.partial(model.greedy, checkpoint, text, [image], tokens)
+    greedy = functools.partial(model.greedy, checkpoint, prompt, [image], tokens)
     reference, hf_answer_s = timed(greedy)
     hf_gb = (psutil.Process().memory_info().rss - before) / GB
     try:
@@ -130,7 +162,7 @@ def run(name: str, tokens: int) -> dict:
         verdict = f"equal ({len(out['output_ids'])} tokens, {forgiven} near-tie forgiven, {compared} logprobs within {ref.LOGPROB_TOL:.0e})"
     except AssertionError as e:
         verdict = f"DIFFERENT: {e}"
-    changes = model.greedy(checkpoint, text, [other], tokens).tokens != reference.tokens
+    changes = model.greedy(checkpoint, prompt, [other], tokens).tokens != reference.tokens
     print(f"[{name}] {verdict}; HF's answer changes with the image: {changes}", flush=True)
     return dict(
         model=name, hub_id=model.hub_id, served_as=served_as, checkpoint_gb=size,

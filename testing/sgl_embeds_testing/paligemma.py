@@ -42,6 +42,17 @@ EMBED_SCALE = 1.0
 LOGIT_SCALE = 8.0
 
 
+# google/paligemma-3b-pt-224's config.json (the smallest PaliGemma): Gemma 2B (18 layers, one
+# key-value head of 256) behind SigLIP So400m at 224 px (256 rows an image)
+PUBLISHED_3B = ("google/paligemma-3b-pt-224", dict(
+    hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+    num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, vocab_size=257216), dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+    image_size=224, patch_size=14))
+# the language model x4 from HF's init, as the other published sizes (llava_next.PUBLISHED_INIT)
+PUBLISHED_INIT = (4, 4.0, 2.0)
+
+
 def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
     """A tiny random-weight ``PaliGemmaForConditionalGeneration`` (float32) with its processor:
     SigLIP tower (hidden 32, 2 layers, no head), the linear projector, a Gemma (``generation=1``)
@@ -54,36 +65,50 @@ def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
     if layout not in ("saved", "model"):
         raise ValueError(f"layout must be 'saved' or 'model', got {layout!r}")
 
+    text = dict(hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    if generation == 2:
+        text.update(query_pre_attn_scalar=16, attn_logit_softcapping=ATTN_SOFTCAP,
+                    final_logit_softcapping=FINAL_SOFTCAP, sliding_window=SLIDING_WINDOW)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    return _paligemma_dir(f"tiny-paligemma{generation}-{layout}-{PALIGEMMA_CACHE_VERSION}", generation,
+                          layout, text, vision, _INIT[generation])
+
+
+def published_paligemma_dir() -> Path:
+    """PaliGemma 3B at its published sizes (``PUBLISHED_3B``), random weights (``PUBLISHED_INIT``),
+    float32, our tokenizer with the embeddings at the published vocabulary size (for
+    ``benchmarks/real_size.py``)."""
+    _, text, vision = PUBLISHED_3B
+    return _paligemma_dir(f"published-paligemma_3b-{PALIGEMMA_CACHE_VERSION}", 1, "saved", text, vision,
+                          PUBLISHED_INIT)
+
+
+def _paligemma_dir(name: str, generation: int, layout: str, text_size: dict, vision_size: dict,
+                   init: tuple[int, float, float]) -> Path:
+    """A random ``PaliGemmaForConditionalGeneration`` of these Gemma (``generation`` 1) or Gemma2
+    (2) and SigLIP settings (the vocabulary is our tokenizer's unless ``text_size`` says), with its
+    processor; ``init``: as ``save_scaled_vlm``'s, the final norm at gain ``LOGIT_SCALE``."""
+
     def build(tmp: Path) -> None:
         tok = train_tokenizer(tmp / "tokenizer", extra_specials=("<image>",))
         shutil.rmtree(tmp / "tokenizer")
         tok.chat_template = None  # PaliGemma has none: its processor lays the prompt out
+        side = vision_size["image_size"]
         image_processor = SiglipImageProcessor(
-            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
-            image_std=[0.5] * 3)
-        image_processor.image_seq_length = ROWS_PER_IMAGE
+            size={"height": side, "width": side}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        image_processor.image_seq_length = (side // vision_size["patch_size"]) ** 2
         processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok)  # adds loc/seg
-        text = dict(vocab_size=len(tok), hidden_size=TINY_HIDDEN, intermediate_size=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                    tie_word_embeddings=True)
-        if generation == 1:
-            text_config = GemmaConfig(**text)
-        else:
-            text_config = Gemma2Config(**text, query_pre_attn_scalar=16,
-                                       attn_logit_softcapping=ATTN_SOFTCAP,
-                                       final_logit_softcapping=FINAL_SOFTCAP,
-                                       sliding_window=SLIDING_WINDOW)
-        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH,
-                                    vision_use_head=False)
+        text = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id, "tie_word_embeddings": True, **text_size}
+        text_config = GemmaConfig(**text) if generation == 1 else Gemma2Config(**text)
+        vision = SiglipVisionConfig(**vision_size, vision_use_head=False)
         config = PaliGemmaConfig(
             vision_config=vision.to_dict(), text_config=text_config.to_dict(),
-            image_token_index=processor.image_token_id, projection_dim=TINY_HIDDEN,
-            hidden_size=TINY_HIDDEN, vocab_size=len(tok))
-        save_scaled_vlm(PaliGemmaForConditionalGeneration, config, _INIT[generation], tmp,
-                        embed_scale=EMBED_SCALE)
+            image_token_index=processor.image_token_id, projection_dim=text["hidden_size"],
+            hidden_size=text["hidden_size"], vocab_size=text["vocab_size"])
+        save_scaled_vlm(PaliGemmaForConditionalGeneration, config, init, tmp, embed_scale=EMBED_SCALE)
         weights = load_file(str(tmp / "model.safetensors"))
         weights[_FINAL_NORM] += LOGIT_SCALE - 1.0
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -92,7 +117,6 @@ def tiny_paligemma_dir(generation: int = 1, layout: str = "saved") -> Path:
         if layout == "model":
             _rename_to_model_layout(tmp)
 
-    name = f"tiny-paligemma{generation}-{layout}-{PALIGEMMA_CACHE_VERSION}"
     return build_once(cache_dir() / name, build)
 
 
