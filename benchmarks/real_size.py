@@ -21,7 +21,9 @@ and memory. Not part of the test suite (minutes per model).
     python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b,qwen2_vl_2b] [--tokens 8]
 
 The models whose float32 weights take most of this machine's 24 GB run with a small KV pool
-(``Model.kv_tokens``), one at a time.
+(``Model.kv_tokens``), one at a time. Each checkpoint stays in the model cache (3.6 to 17.2 GB;
+78 GB for all six, and a split's vision half beside it): delete the ``published-*`` folders and
+their splits between runs where the disk is small.
 """
 
 from __future__ import annotations
