@@ -99,12 +99,15 @@ class Model:
     kv_tokens: int | None = None
 
 
+# the Qwen-VL sizes whose server needs a small pool: Qwen2.5-VL-3B's 15 GB of float32 weights,
+# with the client's 2.7 GB tower beside it
+QWEN_VL_KV_TOKENS = {"qwen2_5_vl_3b": 2048}
+
 MODELS = {
     "llava_onevision_0_5b": Model("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", published_llava_onevision_dir,
                                   ref.llava_greedy, lambda c: ref.hf_llava(c)[0]),
-    # Qwen2.5-VL-3B: 15 GB of float32 weights on the server, and the client's 2.7 GB tower beside it
     **{name: Model(PUBLISHED[name][1], functools.partial(published_qwen_vl_dir, name), qwen_vl_greedy,
-                   lambda c: hf_qwen_vl(c)[0], kv_tokens=2048 if name == "qwen2_5_vl_3b" else None)
+                   lambda c: hf_qwen_vl(c)[0], kv_tokens=QWEN_VL_KV_TOKENS.get(name))
        for name in PUBLISHED},
     # 15.6 GB of float32 weights on the server: serve's 16384-token pool would add 4.6 GB
     "gemma3_4b": Model(PUBLISHED_4B[0], published_gemma3_dir, ref.gemma3_greedy, lambda c: ref.hf_gemma3(c)[0],
