@@ -73,6 +73,11 @@ PREFILL_GRAPH_CAN_RUN = "sglang.srt.model_executor.runner.prefill_cuda_graph_run
 GEMMA4_TEXT_CONFIG = "sglang.srt.utils.hf_transformers.config.get_hf_text_config"
 GEMMA4_BACKEND_CHECK = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
 GEMMA4_PER_LAYER_INPUTS = "sglang.srt.models.gemma4_causal.Gemma4TextModel.forward"
+# an encoder-decoder of ours (Florence-2: florence2.py) declared as one (a list inside the function)
+IS_ENCODER_DECODER_MODEL = "sglang.srt.configs.model_config.is_encoder_decoder_model"
+# ... its class joins the registry where SGLang looks a model class up; its processor refuses raw images
+GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
+GET_MM_PROCESSOR_CLS = "sglang.srt.managers.multimodal_processor.get_mm_processor_cls"
 GATED_RMSNORM_FORWARD = "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward"
 GATE_SIGMOID_MUL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 # Server main process: the start method of its scheduler and detokenizer (sgl_embeds_cpu.children)
@@ -145,6 +150,9 @@ PATCHED: dict[str, Guard] = {
     GEMMA4_PER_LAYER_INPUTS: server("(input_ids is None) ^ (input_embeds is not None)",
                                     "self.get_per_layer_inputs(input_ids)",
                                     "self.project_per_layer_inputs(", fp="86d1558babe70025"),
+    IS_ENCODER_DECODER_MODEL: server("WhisperForConditionalGeneration", fp="709315323a378c57"),
+    GET_MODEL_ARCHITECTURE: server("ModelRegistry.is_arch_supported(arch)", fp="b8e0459aeee8587e"),
+    GET_MM_PROCESSOR_CLS: server("PROCESSOR_MAPPING", fp="67866fc6492ff73b"),
     # Qwen3.5's Gated DeltaNet output norm: on a CPU without AMX (_use_cpu False) SGLang runs
     # its Triton kernel, which asks CUDA for the SM count; sgl_embeds_cpu.fused.rms_norm_gated computes it
     GATED_RMSNORM_FORWARD: server("_use_cpu", "fused_rmsnorm_gated_cpu", "layernorm_fn(",
@@ -285,6 +293,18 @@ RELIED_ON: dict[str, Guard] = {
         server("self.config.hidden_size", fp="1ac769f80d572e73"),
     "sglang.srt.models.qwen3_vl.Qwen3LLMModel.forward":
         server("input_deepstack_embeds[:, sep : sep + self.hidden_size]", fp="a55663ad95dd429f"),
+    # -- an encoder-decoder (florence2.py, encoder_prompts.py): the model class goes in the
+    #    registry the loader resolves from; the scheduler pads with the model's pad_input_ids
+    #    (num_image_tokens: the encoder's length), strips the encoder ids and splits its slots off
+    #    for the cross layers; torch_native attends cross layers over a request's first
+    #    encoder_lens slots and self layers after them; the pool has the model's end_layer layers
+    "sglang.srt.models.registry._ModelRegistry._try_load_model_cls": server("self.models[model_arch]", fp="08a421db8b581db8"),
+    f"{_SB}.ScheduleBatch.prepare_encoder_info_extend":
+        server("im.num_image_tokens", "encoder_out_cache_loc", "assert req.prefix_len == 0", fp="b44cc276ae1d82ad"),
+    "sglang.srt.managers.mm_utils.duplicate_pad_mm_input_ids": server("pad_input_ids_func(input_ids, mm_inputs)", fp="b2634f6303b9c0dd"),
+    f"{_TORCH_NATIVE}._run_sdpa_forward_decode": server("end_kv = encoder_lens[seq_idx]", fp="e2a7ac5dd455e78b"),
+    "sglang.srt.model_executor.model_runner_components.layer_setup._resolve_pp_layer_range":
+        server('getattr(model, "end_layer", model_num_layers)', fp="1fe45fd8e852e6e3"),
     # -- client: the sglang module gains sgl.embeds / sgl.region (ADDED_NAMES); a /generate body
     #    passes _add_images; select reads input logprobs; a refused request raises
     #    RuntimeError(<the server's JSON error>), which carries UnknownSpanHandle

@@ -81,10 +81,11 @@ def load_batch(original: Callable, self: Any, forward_batch: Any, *args: Any, **
     return loaded
 
 
-def _ours(layer: Any) -> bool:
-    """A layer this module attends: self-attention of a decoder, equal q/k and v widths, and
-    soft-capping (if any) by tanh, the one ``attend`` computes."""
-    return not layer.is_cross_attention and layer.attn_type != AttentionType.ENCODER_ONLY \
+def _ours(layer: Any, forward_batch: Any) -> bool:
+    """A layer this module attends: self-attention of a decoder-only model (an encoder-decoder's
+    requests read their keys after the encoder's slots, ``encoder_lens``), equal q/k and v widths,
+    and soft-capping (if any) by tanh, the one ``attend`` computes."""
+    return forward_batch.encoder_lens is None and not layer.is_cross_attention and layer.attn_type != AttentionType.ENCODER_ONLY \
         and layer.qk_head_dim == layer.v_head_dim \
         and (not layer.logit_cap or getattr(layer, "logit_capping_method", "tanh") == "tanh")
 
@@ -120,7 +121,7 @@ def forward_extend(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     with soft-capping, is attended here; any other keeps the stock path (and the CPU plugin's)."""
     blocks = getattr(forward_batch, BLOCKS_ATTR, None)
     cap = layer.logit_cap or 0.0
-    if (blocks is None and cap <= 0) or kwargs or not _ours(layer):
+    if (blocks is None and cap <= 0) or kwargs or not _ours(layer, forward_batch):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     global _cut_logged
     sliding_only, window = served_sliding_blocks(), _window(layer)
@@ -150,7 +151,7 @@ def forward_decode(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     """AROUND hook of ``TorchNativeAttnBackend.forward_decode``: a layer with soft-capping is
     attended here (a generated token attends causally: no block reaches it)."""
     cap = layer.logit_cap or 0.0
-    if cap <= 0 or kwargs or not _ours(layer):
+    if cap <= 0 or kwargs or not _ours(layer, forward_batch):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     _save_kv(self, layer, forward_batch, k, v, save_kv_cache)
     q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

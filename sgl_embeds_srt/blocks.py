@@ -16,6 +16,7 @@ import numpy as np
 from blake3 import blake3
 
 from sgl_embeds_protocol.family import split_family, split_sliding_blocks
+from sgl_embeds_srt.encoder_prompts import encoder_item
 
 Block = tuple[int, int]
 BLOCKS_ATTR = "sgl_embeds_blocks"  # on a Req: its blocks; on a ForwardBatch: each request's
@@ -68,11 +69,20 @@ def set_blocks(req: Any) -> None:
     setattr(req, BLOCKS_ATTR, tuple(blocks))
 
 
+def chunk_blocks(req: Any) -> tuple[Block, ...]:
+    """What a prefill chunk of ``req`` must not cut: its blocks, and an encoder-decoder's encoder
+    region with the decoder's first token (SGLang encodes the region in one step, and a step
+    must hold a decoder token to write the encoder's keys and values)."""
+    encoder_len = req.multimodal_inputs.num_image_tokens if encoder_item(req.multimodal_inputs) else None
+    encoder = ((0, encoder_len + 1),) if encoder_len else ()
+    return getattr(req, BLOCKS_ATTR, ()) + encoder
+
+
 def whole_block_end(req: Any, end: int, page_size: int = 1) -> int:
-    """The end of a prefill chunk of ``req`` from its prefix to ``end`` that cuts no block: the
-    start of a block that ``end`` cuts (page-aligned), or, where the chunk starts inside or at
-    that block, the block's end (a block is taken whole, past the chunk size)."""
-    for start, block_end in getattr(req, BLOCKS_ATTR, ()):
+    """The end of a prefill chunk of ``req`` from its prefix to ``end`` that cuts no block
+    (``chunk_blocks``): the start of a block that ``end`` cuts (page-aligned), or, where the chunk
+    starts inside or at that block, the block's end (a block is taken whole, past the chunk size)."""
+    for start, block_end in chunk_blocks(req):
         if start < end < block_end:
             aligned = start // page_size * page_size
             return aligned if aligned > req.prefix_len else block_end
@@ -90,7 +100,7 @@ def add_one_req(original: Callable, self: Any, req: Any, *args: Any, **kwargs: A
     """AROUND hook of ``PrefillAdder.add_one_req``: a new request's first chunk cuts no block
     (where taking a block whole ends the prompt, the request is no longer chunked)."""
     result = original(self, req, *args, **kwargs)
-    if self.new_chunked_req is req and getattr(req, BLOCKS_ATTR, ()):
+    if self.new_chunked_req is req and chunk_blocks(req):
         _keep_whole(self, req)
         if req.extend_end >= len(req.full_untruncated_fill_ids):
             self.new_chunked_req = None
@@ -102,7 +112,7 @@ def add_chunked_req(original: Callable, self: Any, req: Any, *args: Any, **kwarg
     returns the request while it is still chunked, as the original does."""
     result = original(self, req, *args, **kwargs)
     added = bool(self.can_run_list) and self.can_run_list[-1] is req
-    if added and getattr(req, BLOCKS_ATTR, ()):
+    if added and chunk_blocks(req):
         _keep_whole(self, req)
         return req if req.extend_end < len(req.full_untruncated_fill_ids) else None
     return result

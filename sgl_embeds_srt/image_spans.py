@@ -23,6 +23,7 @@ from sglang.srt.managers.schedule_batch import (
 
 from sgl_embeds_protocol.family import BY_NAME, NATIVE, Family, family_of
 from sgl_embeds_protocol.info import VisionInfo
+from sgl_embeds_srt.encoder_prompts import NO_ENCODER_PROMPT, served_encoder_decoder
 from sgl_embeds_srt.prompt_rows import PromptRows
 from sgl_embeds_protocol.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
@@ -261,9 +262,12 @@ def is_span_item(item: MultimodalDataItem) -> bool:
 
 def create_tokenized_object(original: Callable, self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``TokenizerManager._create_tokenized_object``: a prompt with image spans
-    hands its items to the scheduler in SGLang's own field for processed multimodal inputs."""
+    (or an encoder-decoder's encoder prompt) hands its items to the scheduler in SGLang's own field
+    for processed multimodal inputs; an encoder-decoder's request without one is refused."""
     tokenized = original(self, obj, *args, **kwargs)
     prompt_rows = getattr(obj, "positional_embed_overrides", None)  # embedding requests have none
     if isinstance(prompt_rows, PromptRows) and prompt_rows.images is not None:
         tokenized.mm_inputs = prompt_rows.images
+    elif served_encoder_decoder(self.model_config.hf_config.architectures):
+        raise ValueError(NO_ENCODER_PROMPT)
     return tokenized

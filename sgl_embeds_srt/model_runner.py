@@ -4,7 +4,8 @@ config shim that SGLang's Qwen2-VL tower needs; what SGLang's Gemmas get wrong a
 (``MODEL_FIXES``: span rows scaled, Gemma's activation); and a split Gemma 4's LLM half
 (``Gemma4ForCausalLM``, E2B / E4B): its config loaded (``gemma4_text_config``), served on
 ``torch_native`` (``gemma4_backend_check``), its per-layer inputs at span rows looked up by the
-pad id as HF's VLM does at image positions (``gemma4_per_layer_inputs``).
+pad id as HF's VLM does at image positions (``gemma4_per_layer_inputs``); our encoder-decoders
+(Florence-2, ``florence2.py``) registered and declared to SGLang.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from sgl_embeds_srt.encoder_prompts import served_encoder_decoder
 from sgl_embeds_srt.image_spans import is_span_item
 
 
@@ -51,6 +53,36 @@ def qwen2_vision_init(original: Callable, self: Any, vision_config: Any, *args: 
     if not hasattr(vision_config, "in_chans"):
         vision_config.in_chans = vision_config.in_channels
     return original(self, vision_config, *args, **kwargs)
+
+
+def get_model_architecture(original: Callable, model_config: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of SGLang's ``get_model_architecture`` (the loader's, and the tokenizer's
+    question of which implementation runs): our encoder-decoder classes join SGLang's registry
+    first (SGLang has no Florence-2)."""
+    if served_encoder_decoder(model_config.hf_config.architectures):
+        from sglang.srt.models.registry import ModelRegistry
+
+        from sgl_embeds_srt.florence2 import EntryClass
+
+        for model_class in EntryClass:
+            ModelRegistry.models.setdefault(model_class.__name__, model_class)
+    return original(model_config, *args, **kwargs)
+
+
+def get_mm_processor_cls(original: Callable, hf_config: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of SGLang's ``get_mm_processor_cls``: our encoder-decoders' processor refuses
+    raw images (``florence2.RawImagesRefused``); their encoder input comes as spans."""
+    if served_encoder_decoder(hf_config.architectures):
+        from sgl_embeds_srt.florence2 import RawImagesRefused
+
+        return RawImagesRefused
+    return original(hf_config, *args, **kwargs)
+
+
+def is_encoder_decoder_model(original: Callable, architectures: Any, *args: Any, **kwargs: Any) -> bool:
+    """AROUND hook of SGLang's ``is_encoder_decoder_model`` (a list inside the function): ours
+    are encoder-decoders too, so SGLang lays out their encoder slots."""
+    return original(architectures, *args, **kwargs) or served_encoder_decoder(architectures)
 
 
 def load_model(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from sgl_embeds_protocol import wire
 from sgl_embeds_protocol.family import ImageText, split_family, split_image_text, split_sliding_blocks
+from sgl_embeds_srt.encoder_prompts import EncoderDecoder, as_encoder_prompt
 from sgl_embeds_srt.handles import SpanStore
 from sgl_embeds_srt.image_spans import GridSpan, VisionSpec, check_grid_span, check_vision_ids, image_inputs, place
 from sgl_embeds_protocol.keys import keyed
@@ -47,6 +48,8 @@ class ModelSpec:
     image_block: bool = False
     # the rows of the largest image the served VLM's processor makes (0: not said, or no VLM)
     largest_image_rows: int = 0
+    # an encoder-decoder (Florence-2): the prompt is the encoder's input (encoder_prompts.py)
+    encoder_decoder: EncoderDecoder | None = None
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -59,7 +62,8 @@ class ModelSpec:
                    image_text=split_image_text(args.model_path),
                    image_block=(family is not None and family.image_block)
                    or split_sliding_blocks(args.model_path),
-                   largest_image_rows=vision.largest_image_rows(getattr(tm, "processor", None)) if vision else 0)
+                   largest_image_rows=vision.largest_image_rows(getattr(tm, "processor", None)) if vision else 0,
+                   encoder_decoder=EncoderDecoder.of(mc.hf_config, args.model_path))
 
     @property
     def span_width(self) -> int:
@@ -139,9 +143,10 @@ def build_ids(segments: list[Segment], spec: ModelSpec,
         check_vision_ids(ids, images, spec.vision)
     if spec.prefix_lm:
         check_block(spec, len(ids), "the prompt (this model attends it as one bidirectional block)")
-    if not rows_per_span:
-        return ids, None
-    prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions, bidirectional)
+    prompt_rows = PromptRows.from_spans(rows_per_span, content_keys, positions, bidirectional) \
+        if rows_per_span else None
+    if spec.encoder_decoder is not None:
+        return as_encoder_prompt(ids, prompt_rows, spec.encoder_decoder)
     if images:
         prompt_rows.images = image_inputs(ids, images, spec.vision)
     return ids, prompt_rows

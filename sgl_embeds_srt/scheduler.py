@@ -16,6 +16,7 @@ from sglang.srt.managers.io_struct import MMInputsProcessError
 from sglang.srt.managers.schedule_batch import FAKE_BOOTSTRAP_HOST, MultimodalProcessorOutput
 
 from sgl_embeds_srt.blocks import set_blocks
+from sgl_embeds_srt.encoder_prompts import ROW_POSITIONS, encoder_item
 from sgl_embeds_srt.image_spans import is_span_item
 from sgl_embeds_srt.placeholders import PLACEHOLDER_BASE, is_placeholder
 from sgl_embeds_srt.prompt_rows import SpanPromptRows
@@ -93,17 +94,27 @@ def prepare_for_extend(original: Callable, self: Any, *args: Any, **kwargs: Any)
 
 def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``Scheduler.handle_generate_request``: each image item of the request takes
-    its rows (restored by now, ``transport.CrossingRows.reconstruct``) out of the rows carrier, which keeps
-    only the rows of plain spans (none on these models). A request whose rows this scheduler
-    should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
+    its rows (restored by now, ``transport.CrossingRows.reconstruct``) out of the rows carrier,
+    which keeps only the rows of plain spans (none on these models); an encoder-decoder's encoder
+    item takes them all, with their positions (``encoder_prompts.py``). A request whose rows this
+    scheduler should hold but does not is aborted alone, by SGLang, as a multimodal input error."""
     images = recv_req.mm_inputs
-    if not isinstance(images, MultimodalProcessorOutput) or not any(map(is_span_item, images.mm_items)):
+    encoder = encoder_item(images) if isinstance(images, MultimodalProcessorOutput) else None
+    if encoder is None and (not isinstance(images, MultimodalProcessorOutput)
+                            or not any(map(is_span_item, images.mm_items))):
         return original(self, recv_req, *args, **kwargs)
     prompt_rows = recv_req.positional_embed_overrides
     recv_req.positional_embed_overrides = None
     if prompt_rows is None or prompt_rows.embeds is None:
         missing = getattr(prompt_rows, "missing", "")
         recv_req.mm_inputs = MMInputsProcessError(f"the rows of image span {missing} are not held here")
+        return original(self, recv_req, *args, **kwargs)
+    if encoder is not None:  # an encoder-decoder's prompt: every row is the encoder's
+        encoder = copy.copy(encoder)
+        encoder.feature = prompt_rows.embeds
+        encoder.model_specific_data = {**encoder.model_specific_data, ROW_POSITIONS: list(prompt_rows.positions)}
+        recv_req.mm_inputs = copy.copy(images)
+        recv_req.mm_inputs.mm_items = [encoder]
         return original(self, recv_req, *args, **kwargs)
     row_of = {pos: i for i, pos in enumerate(prompt_rows.positions)}
     images = copy.copy(images)  # requests of one message may share these objects
