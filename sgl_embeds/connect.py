@@ -18,7 +18,7 @@ from sgl_embeds.backend import EmbedsEndpoint
 from sgl_embeds.vision import encode_region
 from sgl_embeds.vlm import load_encoder
 from sgl_embeds.vlm.prompt import model_chat_template
-from sgl_embeds_protocol.family import family_of
+from sgl_embeds_protocol.family import ENCODER_DECODER, family_of
 from sgl_embeds_protocol.info import ServedModel
 
 # A small grey image: what an encoder that does not state its fit is run on once, to see it
@@ -62,10 +62,11 @@ def connect(url: str, vision: str | Path | Any | None = None, **endpoint_options
 
 
 def _has_chat(served: ServedModel) -> bool:
-    """Whether the served family is prompted by chat turns: a prefix LM (PaliGemma) has no chat
-    template, its processor lays the prompt out (``vlm.paligemma.prompt_text``)."""
+    """Whether the served family is prompted by chat turns: a prefix LM (PaliGemma) and an
+    encoder-decoder (Florence-2) have no chat template, their processors lay the prompt out
+    (``vlm.paligemma.prompt_text``, ``vlm.florence2.Florence2Encoder.prompt_segments``)."""
     family = family_of(served.family)
-    return family is None or not family.prefix_lm
+    return family is None or not (family.prefix_lm or family.served_as == ENCODER_DECODER)
 
 
 def _served_vision_dir(url: str, served: ServedModel) -> str | None:

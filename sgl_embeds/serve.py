@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from sgl_embeds.vlm.checkpoint import SPLIT_VERSION, sglang_serves, split
-from sgl_embeds_protocol.family import NATIVE, REFUSED, SPLIT, family_of, served_titles
+from sgl_embeds_protocol.family import ENCODER_DECODER, NATIVE, REFUSED, SPLIT, family_of, served_titles
 from sgl_embeds_protocol.environment import setting
 from sgl_embeds_protocol.wire import TENANTS_VAR
 
@@ -203,6 +203,11 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
             env.update(hybrid_env(args))
             checkpoint = with_config_fixes(checkpoint, config, hybrid_config_fixes(config), make=not dry_run)
         return Launch(model_type, checkpoint, args, env)
+    if served_as == ENCODER_DECODER:  # served whole; its tower and projector are the client's
+        # SGLang's warm-up request has no image rows, which such a model refuses (a 400 that
+        # would stop the launch)
+        warmup = [] if SKIP_WARMUP in flags else [SKIP_WARMUP]
+        return Launch(model_type, checkpoint, [*machine_args(), *flags, *warmup], env)
     arch = (config.get("architectures") or [""])[0]
     if family is None and arch.endswith("ForCausalLM") and sglang_serves(arch):
         return Launch(None, checkpoint, [*machine_args(), *flags], env)

@@ -22,6 +22,9 @@ FAMILY_FILE = "sgl_embeds_family.json"
 # How a family is served (``Family.served_as``)
 SPLIT = "split"  # its LLM served as a causal LM; tower + projector on the client
 NATIVE = "native"  # the whole checkpoint served by SGLang; its image rows at M-RoPE positions
+# the checkpoint served whole as an encoder-decoder whose encoder reads the prompt (image rows from
+# the client's tower + projector, then text); the decoder generates (sgl_embeds_srt/florence2.py)
+ENCODER_DECODER = "encoder_decoder"
 REFUSED = "refused"  # known, and refused by name (``Family.refused`` says why)
 
 # A split family's projector (``Family.projector``)
@@ -41,7 +44,7 @@ class Family:
     name: str  # HF's model_type
     title: str  # as its model cards write it
     hf_class: str  # the transformers class of its checkpoints
-    served_as: str  # SPLIT, NATIVE or REFUSED
+    served_as: str  # SPLIT, NATIVE, ENCODER_DECODER or REFUSED
     refused: str | None = None  # why, when REFUSED
     # the any-resolution tiling of a split LLaVA: None (one square image), "anyres" (NeXT:
     # tiles unpadded, image_newline rows), "anyres_max" (OneVision: and down-scaled past N tiles)
@@ -60,16 +63,16 @@ class Family:
     # each image's span is one bidirectional block (Gemma 3): its rows attend each other both
     # ways, the text around them causally; the client's image spans carry it
     image_block: bool = False
-    projector: str = MLP  # a split family's: MLP, LINEAR, POOLED or EMBEDDER
+    projector: str | None = MLP  # a split family's: MLP, LINEAR, POOLED or EMBEDDER; None: not split
 
     def __post_init__(self) -> None:
-        if self.served_as not in (SPLIT, NATIVE, REFUSED):
+        if self.served_as not in (SPLIT, NATIVE, ENCODER_DECODER, REFUSED):
             raise ValueError(f"{self.name}: served_as {self.served_as!r}")
         if (self.served_as == REFUSED) != (self.refused is not None):
             raise ValueError(f"{self.name}: a refused family says why, and only it")
         if self.clip_time not in (None, SECONDS_PER_STEP, TIMESTAMPS):
             raise ValueError(f"{self.name}: clip_time {self.clip_time!r}")
-        if self.projector not in (MLP, LINEAR, POOLED, EMBEDDER):
+        if self.projector not in (MLP, LINEAR, POOLED, EMBEDDER, None):
             raise ValueError(f"{self.name}: projector {self.projector!r}")
 
 
@@ -89,6 +92,9 @@ FAMILIES = (
     # model_runner.gemma4_per_layer_inputs); 26B / 31B: each image one block on the sliding layers
     # only (the checkpoint's vision settings and family file say so: split_sliding_blocks)
     Family("gemma4", "Gemma 4", "Gemma4ForConditionalGeneration", SPLIT, projector=EMBEDDER),
+    # its BART encoder attends the image rows and the task prompt both ways; the DaViT tower and
+    # projector run on the client (sgl_embeds.vlm.florence2)
+    Family("florence2", "Florence-2", "Florence2ForConditionalGeneration", ENCODER_DECODER, projector=None),
     Family("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", NATIVE, **_QWEN_VL),
     Family("qwen2_5_vl", "Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", NATIVE, **_QWEN_VL,
            clip_time=SECONDS_PER_STEP),
@@ -120,8 +126,8 @@ def served_titles() -> str:
     """The served families as a sentence, for errors that list them."""
     def titles(served_as: str) -> str:
         return " / ".join(family.title for family in FAMILIES if family.served_as == served_as)
-    return (f"{titles(SPLIT)} ({SPLIT}), {titles(NATIVE)} ({NATIVE}), and text LLMs that SGLang "
-            "serves")
+    return (f"{titles(SPLIT)} ({SPLIT}), {titles(NATIVE)} ({NATIVE}), {titles(ENCODER_DECODER)} "
+            f"({ENCODER_DECODER}), and text LLMs that SGLang serves")
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,14 @@ def family_file(family: str, vision_dir: str, image_token: str,
     return json.dumps(record, indent=2)
 
 
-def served_model(model_path: str | None, vision: Any, tokenizer: Any) -> ServedModel:
+def served_model(model_path: str | None, vision: Any, tokenizer: Any, model_type: str | None = None) -> ServedModel:
     """What ``/sgl_embeds/info`` says of the served model. ``vision``: the native VLM's
-    ``image_spans.VisionSpec`` or None; a split LLM is known by its ``FAMILY_FILE``."""
+    ``image_spans.VisionSpec`` or None; a split LLM is known by its ``FAMILY_FILE``; an
+    encoder-decoder by its ``model_type`` (its checkpoint is its vision half)."""
     path = os.path.abspath(model_path) if model_path and os.path.isdir(model_path) else None
+    family = family_of(model_type)
+    if family is not None and family.served_as == ENCODER_DECODER:
+        return ServedModel(family.name, ENCODER_DECODER, path, grid=False, merge_size=None, vision_tokens={})
     if vision is not None:
         ids = [vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id]
         image, start, end = tokenizer.convert_ids_to_tokens(ids) if tokenizer else (None,) * 3

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-TEXT = "text"  # ServedModel.served_as of a text LLM (the families' ways: family.SPLIT, NATIVE)
+TEXT = "text"  # ServedModel.served_as of a text LLM (the families' ways: family.SPLIT, NATIVE, ...)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ServedModel:
     """The served model's family and where its vision half lies (``sgl_embeds.connect``)."""
 
     family: str | None  # None: a text LLM
-    served_as: str  # family.SPLIT, family.NATIVE or TEXT
+    served_as: str  # family.SPLIT, family.NATIVE, family.ENCODER_DECODER or TEXT
     vision_dir: str | None  # absolute, on the server's machine
     grid: bool  # an image's span carries image_grid_thw
     merge_size: int | None

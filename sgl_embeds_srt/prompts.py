@@ -50,6 +50,7 @@ class ModelSpec:
     largest_image_rows: int = 0
     # an encoder-decoder (Florence-2): the prompt is the encoder's input (encoder_prompts.py)
     encoder_decoder: EncoderDecoder | None = None
+    model_type: str | None = None  # the checkpoint's (HF's model_type)
 
     @classmethod
     def from_tokenizer_manager(cls, tm: Any) -> "ModelSpec":
@@ -63,7 +64,8 @@ class ModelSpec:
                    image_block=(family is not None and family.image_block)
                    or split_sliding_blocks(args.model_path),
                    largest_image_rows=vision.largest_image_rows(getattr(tm, "processor", None)) if vision else 0,
-                   encoder_decoder=EncoderDecoder.of(mc.hf_config, args.model_path))
+                   encoder_decoder=EncoderDecoder.of(mc.hf_config, args.model_path),
+                   model_type=getattr(mc.hf_config, "model_type", None))
 
     @property
     def span_width(self) -> int:

@@ -38,6 +38,7 @@ from sgl_embeds.demo import demo_model_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds_testing.gemma3 import tiny_gemma3_dir
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
+from sgl_embeds_testing.florence2 import tiny_florence2_dir
 from sgl_embeds_testing.paligemma import tiny_paligemma_dir
 from sgl_embeds_testing.qwen_vl import (
     poisoned_vision_dir, tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_5_moe_dir,
@@ -209,6 +210,10 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
                                     extra_args=["--enable-cache-report", "--chunked-prefill-size", "8"]),
         "paligemma2": lambda: Server(tiny_paligemma_dir(2), via_serve=True, env=served["env"],
                                      extra_args=["--enable-cache-report"]),
+        # Florence-2, served whole by serve (tests/vlm/test_florence2.py): an encoder-decoder whose
+        # encoder regions (30 to 42 positions) 16-position prefill chunks would cut
+        "florence2": lambda: Server(tiny_florence2_dir(), via_serve=True, env=served["env"],
+                                    extra_args=["--enable-cache-report", "--chunked-prefill-size", "16"]),
         # stock SGLang (the plugin off) tuned as benchmarks/bench_vlm_wins.py tunes it
         # (tests/server/test_vlm_wins.py); a fresh interpreter's launch, which the pool starts early
         "qwen_vl_stock_tuned": _tuned_stock,

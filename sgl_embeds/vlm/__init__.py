@@ -2,7 +2,8 @@
 
 A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, Gemma 3) is split:
 ``python -m sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
-``DST/vision``. A native family's checkpoint (Qwen-VL) is served whole and is its own vision half.
+``DST/vision``. A native family's checkpoint (Qwen-VL) and an encoder-decoder's (Florence-2) are served whole and
+are their own vision half.
 ``load_encoder`` takes either and gives the ``VisionEncoder`` for ``EmbedsEndpoint(
 vision_encoder=...)``. A family's code (its transformers classes among it) is imported when that
 family is first used, not by ``import sgl_embeds``. See docs/vision-encoders.md.
@@ -60,9 +61,17 @@ def _gemma4(path: Path, device: str | torch.device | None, dtype: str | torch.dt
     return Gemma4Encoder(path, device=device, dtype=dtype)
 
 
-# The encoder of each natively served family (a checkpoint folder is its vision half)
+def _florence2(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
+    from sgl_embeds.vlm.florence2 import Florence2Encoder  # lazy: the module docstring
+
+    return Florence2Encoder(path, device=device, dtype=dtype)
+
+
+# The encoder of each family served whole (a checkpoint folder is its vision half): the natively
+# served M-RoPE families, and the encoder-decoders
 NATIVE_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
-    family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope}
+    **{family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope},
+    "florence2": _florence2}
 # The encoder of a split family's vision/ folder, by the format its settings name
 SPLIT_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
     LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma,
@@ -72,7 +81,7 @@ SPLIT_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
 def load_encoder(path: str | Path, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None) -> Any:
     """The ``VisionEncoder`` of ``path``: a native family's checkpoint directory
-    (``QwenVLEncoder`` with its defaults), or the ``DST/vision`` folder ``split`` writes from a
+    (``QwenVLEncoder`` with its defaults; ``Florence2Encoder`` for Florence-2's), or the ``DST/vision`` folder ``split`` writes from a
     split one (``LlavaEncoder`` for LLaVA-1.5, ``AnyresEncoder`` for LLaVA-NeXT and
     LLaVA-OneVision, ``PaliGemmaEncoder`` for PaliGemma, ``Gemma3Encoder`` for Gemma 3), or the
     folder ``gemma4.write_vision_half`` writes (``Gemma4Encoder``). ``dtype``: what the vision half

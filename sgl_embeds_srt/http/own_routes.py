@@ -38,7 +38,7 @@ def info(store: handles.SpanStore) -> dict:
         http_worker_pid=os.getpid(),
         vision=spec.vision.info(spec.hidden_size, spec.largest_image_rows) if spec.vision is not None else None,
         span_width=spec.span_width,
-        model=family.served_model(spec.model_path, spec.vision, spec.tokenizer),
+        model=family.served_model(spec.model_path, spec.vision, spec.tokenizer, spec.model_type),
     ).to_json()
 
 

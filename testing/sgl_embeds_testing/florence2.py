@@ -23,7 +23,7 @@ from transformers import (
 from sgl_embeds.serve import build_once
 from sgl_embeds_testing.models import TINY_HIDDEN, cache_dir, train_tokenizer
 
-FLORENCE2_CACHE_VERSION = "v1"
+FLORENCE2_CACHE_VERSION = "v2"  # v2: the processor lists its parse types
 IMAGE_SIZE = 128
 ROWS_PER_IMAGE = (IMAGE_SIZE // 32) ** 2 + 1  # the grid after a total stride of 32, and the pooled row
 IMAGE_TOKEN = "<image>"
@@ -52,7 +52,11 @@ def tiny_florence2_dir() -> Path:
             size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, crop_size=None, do_center_crop=False,
             image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
         image_processor.image_seq_length = ROWS_PER_IMAGE
-        processor = Florence2Processor(image_processor=image_processor, tokenizer=tok)
+        # every parse type the post-processor knows, as the published processors list them
+        parse_types = ("ocr", "phrase_grounding", "pure_text", "description_with_bboxes", "description_with_polygons",
+                       "polygons", "bboxes", "description_with_bboxes_or_polygons")
+        processor = Florence2Processor(image_processor=image_processor, tokenizer=tok,
+                                       post_processor_config={name: {} for name in parse_types})
         text = BartConfig(
             vocab_size=len(tok), d_model=TINY_HIDDEN, encoder_layers=2, decoder_layers=2,
             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,

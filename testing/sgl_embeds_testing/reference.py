@@ -682,3 +682,46 @@ def gemma4_greedy(checkpoint: str | Path, text: str, images: list, max_new_token
                              do_sample=False, output_scores=True, return_dict_in_generate=True,
                              pad_token_id=model.config.text_config.pad_token_id)
     return _greedy_from_scores(out.sequences, out.scores)
+
+
+@lru_cache(maxsize=2)
+def hf_florence2(checkpoint: str):
+    """HF's ``Florence2ForConditionalGeneration`` (float32) and processor."""
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+@contextlib.contextmanager
+def causal_encoder(model) -> Iterator[None]:
+    """A Florence-2's BART encoder attending causally (each position to itself and before) while
+    inside: the wrong mask, to show a test that the encoder's direction changes HF's answer."""
+    layers = model.model.language_model.encoder.layers
+    for layer in layers:
+        layer.self_attn.is_causal = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.self_attn.is_causal = False
+
+
+@torch.no_grad()
+def florence2_greedy(checkpoint: str | Path, task: str, image, max_new_tokens: int, prefix: list[int] = (),
+                     causal: bool = False) -> Greedy:
+    """HF ``generate`` of the checkpoint's Florence-2 (float32, greedy) for ``task`` about
+    ``image`` as its processor lays them out, from the decoder's start and forced first token
+    (the generation config's) and then ``prefix`` (tokens generated before); the raw logits'
+    log-softmax (not the scores its logits processors change); no end forced at the length
+    limit. ``causal=True``: the encoder attended causally (``causal_encoder``)."""
+    if len(prefix) >= max_new_tokens:
+        return Greedy([], [], [])
+    model, processor = hf_florence2(str(checkpoint))
+    inputs = processor(images=image, text=task, return_tensors="pt")
+    config = model.generation_config
+    start = [config.decoder_start_token_id] + ([config.forced_bos_token_id] if config.forced_bos_token_id is not None else [])
+    decoder = torch.tensor([start + list(prefix)])
+    with causal_encoder(model) if causal else contextlib.nullcontext():
+        out = model.generate(**inputs, decoder_input_ids=decoder, max_new_tokens=max_new_tokens - len(prefix),
+                             do_sample=False, num_beams=1, forced_eos_token_id=None, output_logits=True,
+                             return_dict_in_generate=True)
+    return _greedy_from_scores(out.sequences, out.logits)

@@ -1,0 +1,154 @@
+"""Florence-2 served by ``python -m sgl_embeds serve`` as users launch it: the checkpoint whole, its
+BART encoder reading the image's rows (the client's DaViT tower and projector, ``sgl_embeds.connect``)
+and the task prompt, the decoder generating with cross-attention on SGLang's encoder-decoder path.
+
+Greedy tokens and logprobs equal HF ``Florence2ForConditionalGeneration`` (float32) for two tasks on
+two images, for a batch of different images, and for a cached repeat, whose encoder region is one
+prefix-cache hit; 16-position prefill chunks never cut the encoder region (30 to 42 positions).
+HF's own answer changes with the image, with the task, and when the encoder attends causally, so a
+server that ignored any of them would fail. Bad input is refused with the reason, and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import requests
+import torch
+from PIL import Image
+
+import helpers
+import sgl_embeds
+from sgl_embeds.vlm.florence2 import Florence2Encoder
+from sgl_embeds_protocol.family import ENCODER_DECODER
+from sgl_embeds_testing import reference as ref
+from sgl_embeds_testing.encoders import synthetic_scene
+from sgl_embeds_testing.florence2 import ROWS_PER_IMAGE, tiny_florence2_dir
+
+MAX_TOKENS, MIN_COMPARED = 10, 8
+TASKS = ("<OD>", "<CAPTION>")
+SERVER = "florence2"
+pytestmark = pytest.mark.pooled(SERVER)
+
+
+@functools.cache
+def _backend(url: str):
+    return sgl_embeds.connect(url)
+
+
+def _images() -> list[Image.Image]:
+    return [synthetic_scene(), helpers.random_image(140, 100, seed=5)]
+
+
+def _segments(backend, task: str, image: Image.Image, text_input: str | None = None):
+    encoder = backend.vision_encoder
+    return encoder.prompt_segments(encoder(image), task, text_input)
+
+
+def _ask(backend, prompts: list, **fields) -> list[dict]:
+    try:
+        out = backend.run(input_segments=prompts, return_logprob=True, top_logprobs_num=ref.TOP_K,
+                          sampling_params={**helpers.GREEDY, "max_new_tokens": MAX_TOKENS}, **fields)
+    except OSError as e:  # a scheduler that died (an encoder region cut by a chunk trips SGLang's assert)
+        pytest.fail(f"the server dropped the request: {e!r}")
+    return out if isinstance(out, list) else [out]
+
+
+def _check(out: dict, task: str, image: Image.Image, context: str) -> ref.Greedy:
+    checkpoint = tiny_florence2_dir()
+    model, _ = ref.hf_florence2(str(checkpoint))
+    return ref.assert_vlm_matches_hf(
+        out, lambda prefix=(): ref.florence2_greedy(checkpoint, task, image, MAX_TOKENS, prefix),
+        ref.eos_ids(model), context, MIN_COMPARED)
+
+
+@pytest.fixture(scope="module")
+def florence2(servers):
+    return servers.get(SERVER)[0]
+
+
+def test_the_vision_half_equals_hf_and_connect_loads_it(florence2):
+    checkpoint = tiny_florence2_dir()
+    model, processor = ref.hf_florence2(str(checkpoint))
+    encoder = Florence2Encoder(checkpoint)
+    for image in _images():
+        pixels = processor(images=image, text="<OD>", return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            theirs = model.model.get_image_features(pixels).pooler_output[0]
+        ref.assert_same_rows(encoder(image), theirs, "the tower and projector, as HF runs them: ")
+    assert encoder(_images()[0]).shape == (ROWS_PER_IMAGE, 64)
+    served = _backend(florence2.url).server_info.model
+    assert (served.family, served.served_as) == ("florence2", ENCODER_DECODER)
+    assert isinstance(_backend(florence2.url).vision_encoder, Florence2Encoder)
+
+
+def test_two_tasks_on_two_images_match_hf_florence2(florence2):
+    backend, answers = _backend(florence2.url), {}
+    for task in TASKS:
+        for i, image in enumerate(_images()):
+            (out,) = _ask(backend, _segments(backend, task, image))
+            context = f"{task} on image {i}: "
+            answers[task, i] = tuple(_check(out, task, image, context).tokens)
+            causal = ref.florence2_greedy(tiny_florence2_dir(), task, image, MAX_TOKENS, causal=True)
+            assert causal.tokens != list(answers[task, i]), f"{context}HF's answer must change when the encoder is causal"
+    assert len(set(answers.values())) == len(answers), f"the image and the task must change the answer: {answers}"
+
+
+def test_a_batch_of_different_images_matches_hf(florence2):
+    backend, images = _backend(florence2.url), _images()
+    outs = _ask(backend, [_segments(backend, "<OD>", image) for image in images])
+    assert len(outs) == len(images)
+    for i, (out, image) in enumerate(zip(outs, images)):
+        _check(out, "<OD>", image, f"batch, image {i}: ")
+
+
+def test_a_repeat_hits_the_whole_encoder_region_and_another_task_none_of_it(florence2):
+    backend, image = _backend(florence2.url), helpers.random_image(90, 120, seed=11)
+    segments = _segments(backend, "<CAPTION>", image)
+    (first,) = _ask(backend, segments)
+    (again,) = _ask(backend, segments)
+    encoder_len = first["meta_info"]["prompt_tokens"] - 2  # the decoder's start and forced first token
+    assert encoder_len > 16, "the encoder region must be longer than a prefill chunk"
+    # everything but the last decoder token is cached: the encoder's cross keys and values with it
+    assert again["meta_info"]["cached_tokens"] == encoder_len + 1, again["meta_info"]
+    assert again["output_ids"] == first["output_ids"]
+    _check(again, "<CAPTION>", image, "cached repeat: ")
+    (other,) = _ask(backend, _segments(backend, "<OD>", image))
+    assert other["meta_info"]["cached_tokens"] == 0, "the same image under another task is another encoder input"
+    _check(other, "<OD>", image, "same image, another task: ")
+
+
+def test_a_region_task_reads_the_box_as_loc_tokens(florence2):
+    backend, image = _backend(florence2.url), synthetic_scene()
+    encoder = backend.vision_encoder
+    region = encoder.region_input((8, 8, 40, 30), *image.size)
+    assert region.count("<loc_") == 4
+    (out,) = _ask(backend, _segments(backend, "<REGION_TO_DESCRIPTION>", image, region))
+    checkpoint = tiny_florence2_dir()
+    task = "<REGION_TO_DESCRIPTION>" + region
+    model, _ = ref.hf_florence2(str(checkpoint))
+    ref.assert_vlm_matches_hf(out, lambda prefix=(): ref.florence2_greedy(checkpoint, task, image, MAX_TOKENS, prefix),
+                              ref.eos_ids(model), "region: ", MIN_COMPARED)
+    parsed = encoder.parse_answer("</s><s>a dog" + region + "</s>", "<OD>", image.size)
+    assert parsed["<OD>"]["labels"] == ["a dog"] and len(parsed["<OD>"]["bboxes"]) == 1
+
+
+def test_bad_input_is_refused_with_the_reason_and_the_server_keeps_serving(florence2):
+    backend = _backend(florence2.url)
+    rows = backend.vision_encoder(_images()[1])
+    cases = {
+        "text alone": (helpers.body([helpers.text("<s>What does the image describe?</s>")]), "reads an image"),
+        "raw image": ({"text": "<OD>", "image_data": "data:image/png;base64,AAAA",
+                       "sampling_params": {"max_new_tokens": 2}}, "vision tower on the client"),
+        "wrong width": (helpers.body([helpers.span(rows[:, :32]), helpers.text("<s>x</s>")]), "hidden size"),
+        "longer than the encoder": (helpers.body([helpers.span(rows.repeat(16, 1)), helpers.text("<s>x</s>")]),
+                                    "positions"),
+    }
+    for name, (payload, reason) in cases.items():
+        r = requests.post(florence2.url + "/generate", json=payload, timeout=60)
+        assert r.status_code == 400, f"{name}: {r.status_code} {r.text[:300]}"
+        assert reason in helpers.error_message(r), f"{name}: {helpers.error_message(r)}"
+    (out,) = _ask(backend, _segments(backend, "<OD>", _images()[1]))
+    _check(out, "<OD>", _images()[1], "after the refusals: ")
