@@ -73,7 +73,8 @@ def chunk_blocks(req: Any) -> tuple[Block, ...]:
     """What a prefill chunk of ``req`` must not cut: its blocks, and an encoder-decoder's encoder
     region with the decoder's first token (SGLang encodes the region in one step, and a step
     must hold a decoder token to write the encoder's keys and values)."""
-    encoder_len = req.multimodal_inputs.num_image_tokens if encoder_item(req.multimodal_inputs) else None
+    mm_inputs = getattr(req, "multimodal_inputs", None)
+    encoder_len = mm_inputs.num_image_tokens if encoder_item(mm_inputs) else None
     encoder = ((0, encoder_len + 1),) if encoder_len else ()
     return getattr(req, BLOCKS_ATTR, ()) + encoder
 

@@ -1,17 +1,10 @@
 """Florence-2's language model served by SGLang: a BART encoder-decoder whose encoder reads a span
-prompt (the image's rows from the client's DaViT tower + projector, then the task prompt's ids) and
-whose decoder generates with cross-attention to the encoder's output.
-
-SGLang's encoder-decoder path (Whisper's, Mllama's) carries it. A request's encoder prompt travels
-as one multimodal item (``encoder_prompts.as_encoder_prompt`` makes it, ``scheduler.handle_generate_request``
-gives it its rows); ``pad_input_ids`` puts the item's pad sentinels, one per encoder position, in
-front of the decoder prompt; each decoder layer's cross-attention writes the encoder's keys and
-values at those slots of the KV pool, once. A repeated (image, prompt) is a radix-cache hit over
-the whole encoder region, and its encoder does not run again (docs/engine.md, "An encoder-decoder").
-
-The vision tower and projector stay on the client; their weights are not loaded here. Layer ids
-of the KV pool: decoder self-attention ``0 .. D-1``, cross-attention ``D .. 2D-1``; the encoder
-attends within each request and keeps nothing in the pool.
+prompt (the image's rows from the client's tower and projector, then the task prompt's ids) and
+whose decoder generates with cross-attention, on SGLang's encoder-decoder path. The encoder prompt
+comes as one multimodal item (``encoder_prompts.py``), its pad sentinels in front of the decoder
+prompt; the cross layers write the encoder's keys and values once. KV pool layers: decoder self-
+attention ``0 .. D-1``, cross-attention ``D .. 2D-1``; the tower's weights are the client's.
+docs/engine.md, "An encoder-decoder (Florence-2)".
 """
 
 from __future__ import annotations

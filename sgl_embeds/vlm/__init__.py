@@ -1,9 +1,8 @@
 """Serve a VLM's language model with SGLang and run its vision half here, on the client.
 
-A split family's checkpoint (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, PaliGemma, Gemma 3) is split:
-``python -m sgl_embeds.vlm split SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and
-``DST/vision``. A native family's checkpoint (Qwen-VL) and an encoder-decoder's (Florence-2) are served whole and
-are their own vision half.
+A split family's checkpoint (LLaVA, PaliGemma, Gemma) is split: ``python -m sgl_embeds.vlm split
+SRC DST`` writes ``DST/llm`` (served by SGLang with the plugin) and ``DST/vision``. A checkpoint
+served whole (Qwen-VL, Florence-2) is its own vision half.
 ``load_encoder`` takes either and gives the ``VisionEncoder`` for ``EmbedsEndpoint(
 vision_encoder=...)``. A family's code (its transformers classes among it) is imported when that
 family is first used, not by ``import sgl_embeds``. See docs/vision-encoders.md.
@@ -22,7 +21,7 @@ from sgl_embeds.vlm.files import (
     ANYRES_FORMAT, CONFIG_NAME, GEMMA3_FORMAT, GEMMA4_FORMAT, LLAVA_FORMAT, PALIGEMMA_FORMAT, model_type,
 )
 from sgl_embeds.vlm.prompt import image_prompt, render_chat
-from sgl_embeds_protocol.family import FAMILIES, NATIVE, family_of
+from sgl_embeds_protocol.family import ENCODER_DECODER, FAMILIES, NATIVE, family_of
 
 
 def _qwen_vl(path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None) -> Any:
@@ -71,7 +70,7 @@ def _florence2(path: Path, device: str | torch.device | None, dtype: str | torch
 # served M-RoPE families, and the encoder-decoders
 NATIVE_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
     **{family.name: _qwen_vl for family in FAMILIES if family.served_as == NATIVE and family.mrope},
-    "florence2": _florence2}
+    **{family.name: _florence2 for family in FAMILIES if family.served_as == ENCODER_DECODER}}
 # The encoder of a split family's vision/ folder, by the format its settings name
 SPLIT_ENCODERS: dict[str, Callable[[Path, Any, Any], Any]] = {
     LLAVA_FORMAT: _llava, ANYRES_FORMAT: _anyres, PALIGEMMA_FORMAT: _paligemma,

@@ -1,16 +1,9 @@
-"""The vision half of a Florence-2 checkpoint, its task prompts and its answers' parsing.
-
-Florence-2 is an encoder-decoder: the server serves its BART (``sgl_embeds_srt/florence2.py``)
-from the checkpoint as published, and the checkpoint is its own vision half here.
-``Florence2Encoder(checkpoint)`` (also ``load_encoder``): an image's rows as transformers 5.19's
-``get_image_features(...).pooler_output`` (the checkpoint's image processor, the DaViT tower, the
-projector with its learned 2-D positions, one pooled row first, then one row per grid cell).
-
-A prompt is the image's rows, then ``<s>`` + the task's prompt + ``</s>``, as
-``Florence2Processor`` lays it out (``prompt_segments``); the task tokens (``<OD>``,
-``<CAPTION>``, ``<REGION_TO_DESCRIPTION>`` ...) become the prompts the checkpoint's processor
-names (``task_prompt``), and an answer's ``<loc_N>`` boxes become pixels as its post-processor
-reads them (``parse_answer``: ask with ``skip_special_tokens=False``). docs/vision-encoders.md.
+"""The vision half of a Florence-2 checkpoint (served whole: its BART by the plugin), its task
+prompts and its answers' parsing. ``Florence2Encoder(checkpoint)`` (also ``load_encoder``): an
+image's rows as transformers 5.19's ``get_image_features(...).pooler_output`` (DaViT tower and
+projector); a prompt is the rows, then ``<s>`` + the task's prompt + ``</s>`` (``prompt_segments``),
+the task's prompt and the answer's parsing the checkpoint's processor's (``task_prompt``,
+``parse_answer``; ask with ``skip_special_tokens=False``). docs/vision-encoders.md.
 """
 
 from __future__ import annotations

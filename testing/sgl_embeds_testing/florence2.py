@@ -1,12 +1,8 @@
 """A tiny random-weight Florence-2 (``Florence2ForConditionalGeneration``) as transformers saves
-it, with its ``Florence2Processor``.
-
-Built once into ``models.py``'s cache with a fixed seed. A DaViT tower of four one-block stages
-takes 128 px images (a 4 x 4 grid: 17 rows an image, the pooled row first) in front of a BART
-encoder-decoder (d_model 64, 2 + 2 layers, embeddings scaled by sqrt(d_model) as
-``scale_embedding`` says), its weights scaled up from the default init so that the image and the
-task prompt change HF's greedy answer. The tokenizer has Florence-2's added tokens: ``<image>``,
-``<loc_0>`` .. ``<loc_999>`` and the task and region tokens its post-processor reads.
+it, with its ``Florence2Processor``, built once into ``models.py``'s cache with a fixed seed: a
+four-stage DaViT on 128 px images (17 rows an image, the pooled row first) in front of a BART
+(d_model 64, 2 + 2 layers, ``scale_embedding``), scaled up so that the image and the task change
+HF's greedy answer. The tokenizer has ``<image>``, ``<loc_0>`` .. ``<loc_999>`` and the task tokens.
 """
 
 from __future__ import annotations

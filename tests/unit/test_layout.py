@@ -310,7 +310,8 @@ def test_every_sabotage_patch_still_applies():
 # test support, not the client
 FAMILY_HOMES = {"sgl_embeds_protocol/family.py", "sgl_embeds/vlm/checkpoint.py", "sgl_embeds/vlm/tower.py",
                 "sgl_embeds/vlm/anyres.py", "sgl_embeds/vlm/qwen_vl.py", "sgl_embeds/vlm/paligemma.py",
-                "sgl_embeds/vlm/gemma3.py", "sgl_embeds/vlm/gemma4.py"}
+                "sgl_embeds/vlm/gemma3.py", "sgl_embeds/vlm/gemma4.py", "sgl_embeds/vlm/florence2.py",
+                "sgl_embeds_srt/florence2.py"}
 
 
 def _family_names_outside_their_homes(files: dict[str, str]) -> list[str]:

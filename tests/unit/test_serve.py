@@ -63,14 +63,18 @@ def test_qwen_vl_is_served_natively_with_the_multimodal_flags(split_cache):
 
 
 def test_every_family_record_has_its_code_on_both_sides():
-    """A native family has a client encoder and grid spans the plugin accepts; a split family is
-    one ``split`` splits; a refused one says why; each record names a transformers class."""
+    """A family served whole (native, encoder-decoder) has a client encoder, and an encoder-decoder
+    a model class the plugin registers; a split family is one ``split`` splits; a refused one says
+    why; each record names a transformers class."""
     import transformers
 
     from sgl_embeds.vlm import NATIVE_ENCODERS
     from sgl_embeds.vlm.anyres import IMAGE_PROCESSORS
+    from sgl_embeds_srt.encoder_prompts import ENCODER_DECODER_ARCHITECTURES
 
-    assert set(NATIVE_ENCODERS) == set(family.names(family.NATIVE))
+    assert set(NATIVE_ENCODERS) == set(family.names(family.NATIVE)) | set(family.names(family.ENCODER_DECODER))
+    assert {f.hf_class for f in family.FAMILIES if f.served_as == family.ENCODER_DECODER} == set(
+        ENCODER_DECODER_ARCHITECTURES)
     assert {f.name for f in family.FAMILIES if f.tiling} == set(IMAGE_PROCESSORS)
     for record in family.FAMILIES:
         assert hasattr(transformers, record.hf_class), record
