@@ -152,3 +152,40 @@ def test_bad_input_is_refused_with_the_reason_and_the_server_keeps_serving(flore
         assert reason in helpers.error_message(r), f"{name}: {helpers.error_message(r)}"
     (out,) = _ask(backend, _segments(backend, "<OD>", _images()[1]))
     _check(out, "<OD>", _images()[1], "after the refusals: ")
+
+
+@pytest.mark.parametrize("task", ["<OD>", "<OCR_WITH_REGION>", "<REGION_TO_DESCRIPTION>", "<CAPTION_TO_PHRASE_GROUNDING>"])
+def test_the_task_programs_answer_as_hf_and_parse_as_its_processor(florence2, task):
+    """programs/florence2.py: each task's answer equals HF's greedy answer, and its parse equals
+    HF's processor's post-processing of HF's own decoded answer (boxes in the image's pixels)."""
+    from programs import florence2 as tasks
+
+    backend, image = _backend(florence2.url), synthetic_scene()
+    text_input = {"<REGION_TO_DESCRIPTION>": backend.vision_encoder.region_input((8, 8, 40, 30), *image.size),
+                  "<CAPTION_TO_PHRASE_GROUNDING>": "a red square"}.get(task)
+    answer = tasks.run_task(backend, image, task, text_input, max_tokens=MAX_TOKENS, return_logprob=True,
+                            top_logprobs_num=ref.TOP_K)
+    checkpoint = tiny_florence2_dir()
+    model, processor = ref.hf_florence2(str(checkpoint))
+    prompt = task + (text_input or "")
+    hf = ref.florence2_greedy(checkpoint, prompt, image, MAX_TOKENS)
+    assert answer.ids == hf.tokens, f"{task}: ours {answer.ids}, HF {hf.tokens}"
+    hf_text = processor.tokenizer.decode(hf.tokens, skip_special_tokens=False)
+    assert answer.text == hf_text
+    assert answer.parsed == processor.post_process_generation(text=hf_text, task=task, image_size=image.size)
+
+
+
+def test_an_answer_with_boxes_parses_into_the_images_pixels():
+    """The random model's answers seldom hold four <loc_N> in a row, so the parse into pixels is
+    checked on written answers: each box's bins dequantized as the checkpoint's processor does."""
+    from sgl_embeds.vlm.florence2 import Florence2Encoder
+
+    encoder, size = Florence2Encoder(tiny_florence2_dir()), (200, 100)
+    region = encoder.region_input((20, 10, 120, 90), *size)
+    assert region == "<loc_100><loc_100><loc_600><loc_900>"
+    parsed = encoder.parse_answer(f"</s><s>dog{region}cat<loc_0><loc_0><loc_999><loc_999></s>", "<OD>", size)
+    assert parsed["<OD>"]["labels"] == ["dog", "cat"]
+    (dog, cat) = parsed["<OD>"]["bboxes"]
+    # a bin stands for its centre, (N + 0.5) / 1000 of the side, floored to a pixel
+    assert dog == [20, 10, 120, 90] and cat == [0, 0, 199, 99], parsed
