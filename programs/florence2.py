@@ -14,6 +14,10 @@ from typing import Any, Sequence
 from PIL import Image
 
 
+# one to three labelled boxes, as <OD> answers them: a label, then its four <loc_N> corners
+BOXES = r"(?:[a-z][a-z ]{0,15}(?:<loc_(?:[0-9]|[1-9][0-9]{1,2})>){4}){1,3}"
+
+
 @dataclass(frozen=True)
 class TaskAnswer:
     """A task's answer: its text as generated (special tokens kept), its token ids, and what the
@@ -25,15 +29,17 @@ class TaskAnswer:
 
 
 def run_task(backend, image: Image.Image | str, task: str, text_input: str | None = None,
-             max_tokens: int = 256, **fields: Any) -> TaskAnswer:
+             max_tokens: int = 256, regex: str | None = None, **fields: Any) -> TaskAnswer:
     """``task`` (``"<OD>"``, ``"<OCR_WITH_REGION>"``, ``"<CAPTION>"`` ...) about ``image`` (PIL or
     a path), greedy; ``text_input``: the input a task reads (a phrase, or a region's ``<loc_N>``
-    tokens: ``describe_region``); ``fields``: more ``/generate`` fields (``return_logprob``)."""
+    tokens: ``describe_region``); ``regex``: the answer held to it (``BOXES``: labelled boxes);
+    ``fields``: more ``/generate`` fields (``return_logprob``)."""
     image = Image.open(image).convert("RGB") if isinstance(image, str) else image
     encoder = backend.vision_encoder
     segments = encoder.prompt_segments(encoder(image), task, text_input)
-    out = backend.run(input_segments=segments, sampling_params={
-        "temperature": 0, "max_new_tokens": max_tokens, "skip_special_tokens": False}, **fields)
+    sampling = {"temperature": 0, "max_new_tokens": max_tokens, "skip_special_tokens": False}
+    out = backend.run(input_segments=segments, sampling_params={**sampling, **({"regex": regex} if regex else {})},
+                      **fields)
     return TaskAnswer(out["text"], out["output_ids"], encoder.parse_answer(out["text"], task, image.size))
 
 
