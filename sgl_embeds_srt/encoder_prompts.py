@@ -11,6 +11,7 @@ moves them in). docs/engine.md, "An encoder-decoder".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ class EncoderDecoder:
         return cls((start,) if forced is None else (start, forced), text.max_position_embeddings)
 
 
+@functools.cache  # read once per served model: the tokenizer side asks on every request
 def _generation_config(model_path: str | None) -> Any:
     from transformers import GenerationConfig
 
@@ -83,12 +85,26 @@ def as_encoder_prompt(ids: list[int], prompt_rows: PromptRows | None,
     if len(ids) > model.encoder_positions:
         raise ValueError(f"the encoder prompt has {len(ids)} positions (span rows + text tokens), more "
                          f"than the encoder's {model.encoder_positions}")
-    digest = blake3(np.asarray(ids, dtype=np.uint64).tobytes())
-    digest.update("\0".join(span.content_key or "" for span in prompt_rows.spans).encode())
-    item = MultimodalDataItem(modality=Modality.IMAGE, format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING,
-                              offsets=[(0, len(ids) - 1)], model_specific_data={ENCODER_IDS: list(ids)})
-    item.set_identity(digest.digest(32))
-    decoder = list(model.decoder_prompt)
-    prompt_rows.images = MultimodalProcessorOutput(mm_items=[item], input_ids=decoder)
-    return decoder, prompt_rows
+    keys = [span.content_key for span in prompt_rows.spans]
+    prompt_rows.images = encoder_inputs(ids, keys, model)
+    return list(model.decoder_prompt), prompt_rows
 
+
+def encoder_inputs(ids: list[int], content_keys: list[str | None], model: EncoderDecoder,
+                   row_positions: list[int] | None = None) -> MultimodalProcessorOutput:
+    """SGLang's multimodal inputs of an encoder prompt: one item of its ids (``row_positions``
+    given where the prompt has no rows: the scheduler then gives it none)."""
+    digest = blake3(np.asarray(ids, dtype=np.uint64).tobytes())
+    digest.update("\0".join(key or "" for key in content_keys).encode())
+    data = {ENCODER_IDS: list(ids), **({} if row_positions is None else {ROW_POSITIONS: row_positions})}
+    item = MultimodalDataItem(modality=Modality.IMAGE, format=MultimodalInputFormat.PRECOMPUTED_EMBEDDING,
+                              offsets=[(0, len(ids) - 1)], model_specific_data=data)
+    item.set_identity(digest.digest(32))
+    return MultimodalProcessorOutput(mm_items=[item], input_ids=list(model.decoder_prompt))
+
+
+def is_health_check(rid: Any) -> bool:
+    """SGLang's own health check (``/health``, ``/health_generate``): one token after ``[0]``."""
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)

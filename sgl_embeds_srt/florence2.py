@@ -173,7 +173,8 @@ class Florence2ForConditionalGeneration(nn.Module):
         ids = torch.as_tensor(item.model_specific_data[ENCODER_IDS], dtype=torch.long, device=device)
         at = torch.as_tensor(item.model_specific_data[ROW_POSITIONS], dtype=torch.long, device=device)
         rows = self.shared(ids.index_fill(0, at, 0)) * self.embed_scale
-        rows[at] = item.feature.to(device=device, dtype=rows.dtype)
+        if at.numel():  # none in a prompt of text alone (SGLang's health check)
+            rows[at] = item.feature.to(device=device, dtype=rows.dtype)
         hidden = self.encoder.embed(rows, torch.arange(ids.shape[0], device=device))
         for layer in self.encoder.layers:
             hidden = layer(hidden)

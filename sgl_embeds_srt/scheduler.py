@@ -105,6 +105,8 @@ def handle_generate_request(original: Callable, self: Any, recv_req: Any, *args:
         return original(self, recv_req, *args, **kwargs)
     prompt_rows = recv_req.positional_embed_overrides
     recv_req.positional_embed_overrides = None
+    if encoder is not None and prompt_rows is None and encoder.model_specific_data.get(ROW_POSITIONS) == []:
+        return original(self, recv_req, *args, **kwargs)  # an encoder prompt of text alone (a health check)
     if prompt_rows is None or prompt_rows.embeds is None:
         missing = getattr(prompt_rows, "missing", "")
         recv_req.mm_inputs = MMInputsProcessError(f"the rows of image span {missing} are not held here")

@@ -31,7 +31,8 @@ SERVER_URLS = {"SGLANG_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
                "SGLANG_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
                "SGLANG_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
                "SGLANG_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
-               "SGLANG_EMBEDS_GEMMA4_URL": "gemma4_vlm"}  # the tiny Gemma 4 (E2B layout), served split
+               "SGLANG_EMBEDS_GEMMA4_URL": "gemma4_vlm",  # the tiny Gemma 4 (E2B layout), served split
+               "SGLANG_EMBEDS_FLORENCE2_URL": "florence2"}  # the tiny Florence-2, served whole
 
 
 def _claims(book) -> list[str]:

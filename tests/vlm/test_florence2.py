@@ -189,3 +189,11 @@ def test_an_answer_with_boxes_parses_into_the_images_pixels():
     (dog, cat) = parsed["<OD>"]["bboxes"]
     # a bin stands for its centre, (N + 0.5) / 1000 of the side, floored to a pixel
     assert dog == [20, 10, 120, 90] and cat == [0, 0, 199, 99], parsed
+
+
+def test_sglangs_health_checks_answer(florence2):
+    """SGLang's /health and /health_generate ask for one token after ``[0]``, no image: that id
+    is the encoder's prompt here (a gateway polls them; a refusal would mark the server down)."""
+    for route in ("/health", "/health_generate"):
+        r = requests.get(florence2.url + route, timeout=60)
+        assert r.status_code == 200, f"{route}: {r.status_code} {r.text[:300]}"
