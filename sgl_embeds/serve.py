@@ -207,7 +207,7 @@ def plan(checkpoint: str | Path, flags: list[str], progress: bool = True,
         # SGLang's warm-up request has no image rows, which such a model refuses (a 400 that
         # would stop the launch)
         warmup = [] if SKIP_WARMUP in flags else [SKIP_WARMUP]
-        return Launch(model_type, checkpoint, [*machine_args(), *flags, *warmup], env)
+        return Launch(model_type, checkpoint, [*machine_args(), *warmup, *flags], env)
     arch = (config.get("architectures") or [""])[0]
     if family is None and arch.endswith("ForCausalLM") and sglang_serves(arch):
         return Launch(None, checkpoint, [*machine_args(), *flags], env)

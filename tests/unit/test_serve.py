@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sgl_embeds import serve
+from sgl_embeds_testing.florence2 import tiny_florence2_dir
 from sgl_embeds_testing.llava_next import tiny_llava_next_dir, tiny_llava_onevision_dir
 from sgl_embeds_testing.models import tiny_llava_dir, tiny_model_dir
 from sgl_embeds_testing.qwen_vl import tiny_qwen2_5_vl_dir, tiny_qwen2_vl_dir, tiny_qwen3_5_dir, tiny_qwen3_vl_dir
@@ -127,6 +128,7 @@ EACH_FAMILY = {
     "qwen2_5_vl": (tiny_qwen2_5_vl_dir, "qwen2_5_vl", True),
     "qwen3_vl": (tiny_qwen3_vl_dir, "qwen3_vl", True),
     "qwen3_5": (tiny_qwen3_5_dir, "qwen3_5", True),
+    "florence2": (tiny_florence2_dir, "florence2", False),
     "text": (lambda: tiny_model_dir("llama"), "text LLM", False),
 }
 
@@ -146,6 +148,8 @@ def test_dry_run_prints_each_familys_launch_line_and_makes_nothing(name, split_c
     if family_name in family.names(family.SPLIT):  # the split's folder named, not made
         assert model.parent.parent == split_cache and model.name == "llm"
         assert f"would be split into {model.parent}" in "\n".join(out) and not split_cache.exists()
+    elif name == "florence2":  # served whole, without SGLang's warm-up (it has no image rows)
+        assert model == checkpoint() and "--skip-server-warmup" in argv, line
     elif name == "qwen3_5":  # saved by transformers: served with the config fields SGLang reads
         assert model.parent == split_cache.parent / "configs" and not model.exists()
     else:
