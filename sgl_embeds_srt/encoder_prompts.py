@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from array import array
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,11 @@ from sglang.srt.managers.schedule_batch import (
     Modality, MultimodalDataItem, MultimodalInputFormat, MultimodalProcessorOutput,
 )
 
+from sgl_embeds_protocol.family import ENCODER_DECODER, FAMILIES
 from sgl_embeds_srt.prompt_rows import PromptRows
 
-# the encoder-decoders served (their model classes: florence2.py)
-ENCODER_DECODER_ARCHITECTURES = ("Florence2ForConditionalGeneration",)
+# the encoder-decoders served, by their records (their model classes: florence2.py)
+ENCODER_DECODER_ARCHITECTURES = tuple(family.hf_class for family in FAMILIES if family.served_as == ENCODER_DECODER)
 # an encoder prompt's item (model_specific_data): its token ids (placeholders at the span rows)
 # and the positions of its rows, in the order of ``item.feature``'s rows
 ENCODER_IDS, ROW_POSITIONS = "sgl_embeds_encoder_ids", "sgl_embeds_row_positions"
@@ -101,6 +103,17 @@ def encoder_inputs(ids: list[int], content_keys: list[str | None], model: Encode
                               offsets=[(0, len(ids) - 1)], model_specific_data=data)
     item.set_identity(digest.digest(32))
     return MultimodalProcessorOutput(mm_items=[item], input_ids=list(model.decoder_prompt))
+
+
+def without_spans(tm: Any, obj: Any, tokenized: Any) -> None:
+    """A tokenized request that carries no encoder prompt, on a served encoder-decoder
+    (``image_spans.create_tokenized_object`` asks): refused, unless it is SGLang's own health
+    check, whose ``[0]`` becomes a text-only encoder prompt here."""
+    if not is_health_check(obj.rid):
+        raise ValueError(NO_ENCODER_PROMPT)
+    model = EncoderDecoder.of(tm.model_config.hf_config, tm.server_args.model_path)
+    tokenized.mm_inputs = encoder_inputs(list(tokenized.input_ids), [], model, row_positions=[])
+    tokenized.input_ids = array("q", model.decoder_prompt)
 
 
 def is_health_check(rid: Any) -> bool:

@@ -185,8 +185,8 @@ class Florence2ForConditionalGeneration(nn.Module):
         encoder_out = None
         if not forward_batch.forward_mode.is_decode():
             cached = forward_batch.encoder_cached or ()
-            fresh = [self.encode(encoder_item(mm)) for mm, done in zip(forward_batch.mm_inputs or (), cached)
-                     if not done and encoder_item(mm) is not None]
+            items = [encoder_item(mm) for mm, done in zip(forward_batch.mm_inputs or (), cached) if not done]
+            fresh = [self.encode(item) for item in items if item is not None]
             # in batch order, as SGLang lays out the encoder slots they are written to
             encoder_out = torch.cat(fresh) if fresh else None
         hidden = self.decoder.embed(self.shared(input_ids) * self.embed_scale, positions)

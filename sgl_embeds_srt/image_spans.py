@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,9 +23,7 @@ from sglang.srt.managers.schedule_batch import (
 
 from sgl_embeds_protocol.family import BY_NAME, NATIVE, Family, family_of
 from sgl_embeds_protocol.info import VisionInfo
-from sgl_embeds_srt.encoder_prompts import (
-    NO_ENCODER_PROMPT, EncoderDecoder, encoder_inputs, is_health_check, served_encoder_decoder,
-)
+from sgl_embeds_srt.encoder_prompts import served_encoder_decoder, without_spans
 from sgl_embeds_srt.prompt_rows import PromptRows
 from sgl_embeds_protocol.segments import IMAGE_GRID, SECONDS_PER_STEP, TIMESTAMPS, VIDEO_GRID, Grid
 
@@ -272,10 +269,5 @@ def create_tokenized_object(original: Callable, self: Any, obj: Any, *args: Any,
     if isinstance(prompt_rows, PromptRows) and prompt_rows.images is not None:
         tokenized.mm_inputs = prompt_rows.images
     elif served_encoder_decoder(self.model_config.hf_config.architectures):
-        if not is_health_check(obj.rid):
-            raise ValueError(NO_ENCODER_PROMPT)
-        # SGLang's health check asks for one token after [0]: that id is its encoder prompt here
-        model = EncoderDecoder.of(self.model_config.hf_config, self.server_args.model_path)
-        tokenized.mm_inputs = encoder_inputs(list(tokenized.input_ids), [], model, row_positions=[])
-        tokenized.input_ids = array("q", model.decoder_prompt)
+        without_spans(self, obj, tokenized)
     return tokenized
