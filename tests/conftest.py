@@ -18,6 +18,7 @@ spans on a Qwen-VL server), ``engine_probe.py``.
 from __future__ import annotations
 
 import bisect
+import os
 import functools
 import math
 
@@ -45,7 +46,7 @@ from sgl_embeds_testing.qwen_vl import (
     tiny_qwen3_vl_dir,
 )
 from sgl_embeds_testing.reference import at_most_one_forgiven_near_tie_per_test  # noqa: F401 (autouse)
-from sgl_embeds_testing import zygote
+from sgl_embeds_testing import notebook_kernels, zygote
 from sgl_embeds_testing.server import Gateway, Server, ServerPool, cpu_env, free_port
 
 def pytest_configure(config):
@@ -136,12 +137,14 @@ def llava_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def servers(llava_dirs, pytestconfig, tmp_path_factory):
+def servers(llava_dirs, pytestconfig, tmp_path_factory, request):
     """The session's pool of servers by name (``servers.get(*names)``)."""
     # the servers a user would start: `python -m sgl_embeds serve CHECKPOINT` (its splits here),
     # one of each family at least: LLaVA-1.5, -NeXT, -OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5
     served = dict(via_serve=True, env={"SGLANG_EMBEDS_CACHE": str(tmp_path_factory.mktemp("serve-cache"))})
     zygote.shared(cpu_env())  # it imports SGLang while the first tests run
+    if any(item.path.parent.name == "examples" for item in request.session.items):
+        notebook_kernels.start(dict(os.environ))  # the tutorials' kernels' zygote imports the client
     pool = ServerPool({
         # JSON-schema decoding without free whitespace: a random-weight model otherwise fills any
         # allowed whitespace until max_new_tokens (tests/server/test_compat_constrained.py)
@@ -222,6 +225,7 @@ def servers(llava_dirs, pytestconfig, tmp_path_factory):
     yield pool
     pool.stop()
     zygote.stop_shared()
+    notebook_kernels.stop()
 
 
 def _tuned_stock() -> Server:

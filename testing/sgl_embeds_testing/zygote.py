@@ -4,7 +4,9 @@ request's environment, arguments, directory and log, and runs ``python -m MODULE
 place, as does an ``exec`` of this Python inside it while it is still single-threaded. Only a
 launch whose environment differs in ``LAUNCH_TIME_KEYS`` is forked (``Zygote.takes``);
 ``SGLANG_EMBEDS_TEST_ZYGOTE=0`` turns it off. Why and what it saves: docs/performance.md,
-"Servers forked from a started SGLang".
+"Servers forked from a started SGLang". A zygote of the ``client`` kind has imported what a
+user's notebook kernel imports first (the client, so SGLang's frontend, torch, transformers) and
+nothing of the server: the tutorials' kernels are forked from it (``notebook_kernels.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ def _preload() -> dict[str, str]:
     for name in AFTER_PLUGINS:
         importlib.import_module(name)
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
+# what a notebook's kernel imports before its first cell needs it (``import sgl_embeds`` is most
+# of a kernel's start: SGLang's frontend, torch, transformers); nothing of the server side
+CLIENT_PRELOAD = ("sgl_embeds", "sgl_embeds.vlm", "sgl_embeds.serve")
+
+
+def _preload_client() -> dict[str, str]:
+    for name in CLIENT_PRELOAD:
+        importlib.import_module(name)
+    return {}
+
+
+PRELOADS = {"server": _preload, "client": _preload_client}
 
 
 def _run_in_place(argv: list[str]) -> None:
@@ -131,10 +147,13 @@ def _become(request: dict, written: dict[str, str], replies: Any) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **written})
-    from sgl_embeds_srt.plugin import LOADED_BY_VAR
+    if written:  # the plugins' load wrote these (a server zygote): said as their loader
+        from sgl_embeds_srt.plugin import LOADED_BY_VAR
 
-    if LOADED_BY_VAR in written:  # this process is the one that loaded the plugin, for its children
-        os.environ[LOADED_BY_VAR] = str(os.getpid())
+        if LOADED_BY_VAR in written:  # this process is the one that loaded the plugin, for its children
+            os.environ[LOADED_BY_VAR] = str(os.getpid())
+    if request.get("own_path_dropped") and _OWN_PATH in sys.path:
+        sys.path.remove(_OWN_PATH)  # the zygote's folder (`python -m` put it first): not the child's
     import numpy  # (Python's random reseeds itself after a fork; numpy's global state does not)
 
     numpy.random.seed()  # from the OS, as a fresh interpreter does
@@ -167,12 +186,15 @@ def _reap(status_dir: Path, children: set[int]) -> None:
         tmp.rename(status_dir / str(pid))
 
 
-def serve_forever(status_dir: Path) -> None:
+_OWN_PATH = sys.path[0]
+
+
+def serve_forever(status_dir: Path, kind: str = "server") -> None:
     """Read launch requests (a JSON line each) on stdin, answer each with the child's pid on
     stdout; write each child's exit code to STATUS_DIR/PID. At the end of stdin, stop them all."""
     replies = os.fdopen(os.dup(1), "w")  # the answers' pipe; what anything prints goes to the log
     os.dup2(2, 1)
-    written = _preload()
+    written = PRELOADS[kind]()
     children: set[int] = set()
     print(json.dumps({"ready": True}), file=replies, flush=True)
     try:
@@ -209,6 +231,7 @@ class Forked:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None  # as a Popen without pipes (jupyter_client reads them)
         self._status = status
 
     def poll(self) -> int | None:
@@ -243,13 +266,14 @@ class ZygoteError(RuntimeError):
 
 
 class Zygote:
-    """The test process's handle on one zygote, started with environment ``env``."""
+    """The test process's handle on one zygote, started with environment ``env``: of ``kind``
+    (``PRELOADS``), forking launches whose environment differs from ``env`` in ``free_keys`` only."""
 
-    def __init__(self, env: dict[str, str]):
-        self.env = dict(env)
+    def __init__(self, env: dict[str, str], kind: str = "server", free_keys: frozenset[str] = LAUNCH_TIME_KEYS):
+        self.env, self.kind, self.free_keys = dict(env), kind, free_keys
         self._status_dir = Path(tempfile.mkdtemp(prefix="sgl-embeds-zygote-"))
         self._log = open(self._status_dir / "zygote.log", "wb")
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self._status_dir)],
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self._status_dir), kind],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       env=self.env, text=True, bufsize=1)
         self._lock = threading.Lock()
@@ -258,10 +282,15 @@ class Zygote:
     def takes(self, env: dict[str, str]) -> bool:
         """Whether a launch with environment ``env`` may be forked from this zygote."""
         keys = set(env) | set(self.env)
-        return self.alive() and all(env.get(k) == self.env.get(k) for k in keys - LAUNCH_TIME_KEYS)
+        return self.alive() and all(env.get(k) == self.env.get(k) for k in keys - self.free_keys)
 
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def folder(self) -> Path:
+        """Its own temporary folder (its log, its children's exit codes), removed by ``stop``."""
+        return self._status_dir
 
     def _reply(self) -> dict:
         line = self._proc.stdout.readline()
@@ -274,7 +303,7 @@ class Zygote:
         """``sys.executable ARGV`` (``-m MODULE ...`` or a script), forked; its output to
         ``log_path`` (its stderr to ``err_path`` if given)."""
         request = {"argv": argv, "env": env, "log": str(log_path), "cwd": cwd or os.getcwd(),
-                   "err": str(err_path) if err_path else None}
+                   "err": str(err_path) if err_path else None, "own_path_dropped": self.kind == "client"}
         with self._lock:
             if not self._ready:
                 self._ready = self._reply()["ready"]
@@ -352,4 +381,4 @@ def stop_shared() -> None:
 
 
 if __name__ == "__main__":
-    serve_forever(Path(sys.argv[1]))
+    serve_forever(Path(sys.argv[1]), *sys.argv[2:])

@@ -5,6 +5,8 @@ is stable across machines) and the same pictures. ``make notebooks`` refreshes t
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import re
@@ -13,6 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from sgl_embeds_testing import notebook_kernels, zygote
 from sgl_embeds_testing.claims import claims_in
 
 pytestmark = pytest.mark.per_server  # each tutorial where its servers run anyway
@@ -21,18 +24,7 @@ MIN_CLAIMS = 3
 # a folder of the machine a notebook last ran on (scripts/refresh_notebooks.py writes them as
 # <checkout>/, ~/ and <tmp>/)
 MACHINE_PATH = re.compile(r"(?<![\w<>~.])/(?:work|root|home|tmp|check|Users|private|var/folders)/")
-# A notebook reads the URL of a running server from one of these (and starts its own without):
-# the pool's server each stands for
-SERVER_URLS = {"SGLANG_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
-               "SGLANG_EMBEDS_VLM_URL": "llava_llama",  # the tiny LLaVA's split LLM
-               "SGLANG_EMBEDS_DEMO_URL": "demo",  # meaning: SmolLM2-135M-Instruct
-               "SGLANG_EMBEDS_QWEN_VL_URL": "qwen_vl_spans",  # the tiny Qwen2.5-VL, NaN tower
-               "SGLANG_EMBEDS_QWEN3_VL_URL": "qwen3_vl_spans",  # the tiny Qwen3-VL, NaN tower
-               "SGLANG_EMBEDS_LLAVA_NEXT_URL": "llava_next",  # the tiny LLaVA-NeXT's split LLM
-               "SGLANG_EMBEDS_PALIGEMMA2_URL": "paligemma2",  # the tiny PaliGemma 2, served split
-               "SGLANG_EMBEDS_GEMMA3_URL": "gemma3_vlm",  # the tiny Gemma 3, served split
-               "SGLANG_EMBEDS_GEMMA4_URL": "gemma4_vlm",  # the tiny Gemma 4 (E2B layout), served split
-               "SGLANG_EMBEDS_FLORENCE2_URL": "florence2"}  # the tiny Florence-2, served whole
+SERVER_URLS = notebook_kernels.SERVER_URLS  # the URL variables a notebook reads, and the pool server each names
 
 
 def _claims(book) -> list[str]:
@@ -78,12 +70,37 @@ def test_notebook_runs_top_to_bottom_and_shows_what_is_committed(path, servers, 
     for cell in book.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    # a cell that raises (a claim that does not hold: its AssertionError) is an error output this
-    # test asserts on, not an exception of nbclient's that hides which claim failed
+    # the kernel forked from a process that has imported the client (notebook_kernels.py), so a
+    # tutorial's time is its cells', not its kernel's imports; a cell that raises (a claim that
+    # does not hold: its AssertionError) is an error output this test asserts on, not an
+    # exception of nbclient's that hides which claim failed
     NotebookClient(book, timeout=300, kernel_name="python3", allow_errors=True,
+                   kernel_manager_class=notebook_kernels.ForkedKernelManager,
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [f"{o['ename']}: {o['evalue']}" for c in book.cells for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, f"{path.name}: {errors}"
     assert _claims(book) == _claims(committed), f"{path.name} no longer shows what its committed outputs show"
     assert _pictures(book) == _pictures(committed)
+
+
+def test_a_tutorials_kernel_is_forked_with_the_client_imported_and_nothing_of_the_server(monkeypatch, tmp_path):
+    """The kernel a tutorial runs in (notebook_kernels.py): a child of the client zygote, in the
+    notebook's folder and environment, with the client imported and nothing of the server side
+    (the plugin, SGLang's HTTP server), and without the zygote's folder on its path."""
+    if not zygote.enabled():
+        pytest.skip(f"{zygote.SWITCH}=0: the kernels start fresh interpreters")
+    monkeypatch.setenv("SGLANG_EMBEDS_URL", "http://127.0.0.1:1")
+    book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import json, os, sys\n"
+        "print(json.dumps({'parent': os.getppid(), 'cwd': os.getcwd(), 'path': sys.path,\n"
+        "                  'url': os.environ.get('SGLANG_EMBEDS_URL'),\n"
+        "                  'loaded': [m for m in ('sgl_embeds', 'sgl_embeds_srt', 'sglang.srt.entrypoints.http_server')\n"
+        "                             if m in sys.modules]}))")])
+    NotebookClient(book, timeout=120, kernel_name="python3", kernel_manager_class=notebook_kernels.ForkedKernelManager,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    seen = json.loads(book.cells[0].outputs[0]["text"])
+    assert seen["parent"] not in (os.getpid(), 1), "forked from the zygote, not started by this process"
+    assert seen["cwd"] == str(tmp_path) and seen["url"] == "http://127.0.0.1:1"
+    assert seen["loaded"] == ["sgl_embeds"], seen["loaded"]
+    assert str(Path.cwd()) not in seen["path"], "the zygote's folder (this run's) stays off the kernel's path"
