@@ -3,10 +3,9 @@ loaded the plugins) and forks the test servers and Engine scripts from there: ea
 request's environment, arguments, directory and log, and runs ``python -m MODULE`` or a script in
 place, as does an ``exec`` of this Python inside it while it is still single-threaded. Only a
 launch whose environment differs in ``LAUNCH_TIME_KEYS`` is forked (``Zygote.takes``);
-``SGLANG_EMBEDS_TEST_ZYGOTE=0`` turns it off. Why and what it saves: docs/performance.md,
-"Servers forked from a started SGLang". A zygote of the ``client`` kind has imported what a
-user's notebook kernel imports first (the client, so SGLang's frontend, torch, transformers) and
-nothing of the server: the tutorials' kernels are forked from it (``notebook_kernels.py``).
+``SGLANG_EMBEDS_TEST_ZYGOTE=0`` turns it off. A zygote of the ``client`` kind imports only the
+client: the tutorials' kernels are forked from it (``notebook_kernels.py``). Why and what each
+saves: docs/performance.md, "Servers forked from a started SGLang".
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT, SERVER, SHARED, CPU = "sgl_embeds", "sgl_embeds_srt", "sgl_embeds_protocol", "sgl_embeds_cpu"
@@ -126,18 +130,43 @@ def test_a_client_import_by_the_server_would_be_found():
     assert _side("sgl_embeds_cpu.kernels") == "cpu" and _side("sgl_embeds_testing.server") == "tests"
 
 
-def test_loading_the_plugin_loads_no_client_module():
-    """In a fresh interpreter, as SGLang does it: the entry point loaded, ``register()`` run."""
-    import subprocess
-    import sys
+PLUGIN_PROBE = ("import sys\n"
+                "from importlib.metadata import entry_points\n"
+                "[ep] = [e for e in entry_points(group='sglang.srt.plugins') if e.name == 'sgl_embeds']\n"
+                "ep.load()()\n"
+                "print(sorted(m for m in sys.modules if m == 'sgl_embeds' or m.startswith('sgl_embeds.')))\n"
+                "print('sglang.embeds' if hasattr(sys.modules['sglang'], 'embeds') else '')\n")
 
-    code = ("import sys\n"
-            "from importlib.metadata import entry_points\n"
-            "[ep] = [e for e in entry_points(group='sglang.srt.plugins') if e.name == 'sgl_embeds']\n"
-            "ep.load()()\n"
-            "print(sorted(m for m in sys.modules if m == 'sgl_embeds' or m.startswith('sgl_embeds.')))\n"
-            "print('sglang.embeds' if hasattr(sys.modules['sglang'], 'embeds') else '')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+def _client_probe() -> str:
+    from sgl_embeds_protocol.family import FAMILIES
+
+    # transformers.models.<name>.modeling_* (its image processors are loaded by transformers itself)
+    towers = ["clip", "siglip", *(family.name for family in FAMILIES)]
+    return ("import sys, sgl_embeds, sgl_embeds.vlm\n"
+            f"towers = {towers!r}\n"
+            "print('\\n'.join(m for m in sys.modules if m.split('.')[0] == 'open_clip'\n"
+            "      or m.startswith('transformers.models.') and m.split('.')[2] in towers and '.modeling_' in m\n"
+            "      or m in ('sgl_embeds.vlm.qwen_vl', 'sgl_embeds.vlm.anyres', 'sgl_embeds.vlm.tower',\n"
+            "               'sgl_embeds.vlm.paligemma')))\n"
+            "from sgl_embeds.vlm import QwenVLEncoder\n"
+            "print('asked', 'sgl_embeds.vlm.qwen_vl' in sys.modules)\n")
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, subprocess.CompletedProcess]:
+    """The import probes, each in a fresh interpreter (what an import loads is the question),
+    started at once: each is mostly SGLang's import, on one core."""
+    probes = {"plugin": PLUGIN_PROBE, "client": _client_probe()}
+    runs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for name, code in probes.items()}
+    outputs = {name: run.communicate(timeout=300) for name, run in runs.items()}
+    return {name: subprocess.CompletedProcess(run.args, run.returncode, *outputs[name]) for name, run in runs.items()}
+
+
+def test_loading_the_plugin_loads_no_client_module(fresh_imports):
+    """In a fresh interpreter, as SGLang does it: the entry point loaded, ``register()`` run."""
+    out = fresh_imports["plugin"]
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:2] == ["[]", ""], out.stdout
 
@@ -344,25 +373,10 @@ def test_a_branch_on_a_family_name_would_be_found():
     assert not _family_names_outside_their_homes({"sgl_embeds/vlm/qwen_vl.py": source})
 
 
-def test_importing_the_client_loads_no_familys_code():
+def test_importing_the_client_loads_no_familys_code(fresh_imports):
     """``import sgl_embeds`` (and ``connect``'s module) loads a family's modules, its transformers
     model classes and open_clip only when a program uses that family."""
-    import subprocess
-    import sys
-
-    from sgl_embeds_protocol.family import FAMILIES
-
-    # transformers.models.<name>.modeling_* (its image processors are loaded by transformers itself)
-    towers = ["clip", "siglip", *(family.name for family in FAMILIES)]
-    probe = ("import sys, sgl_embeds, sgl_embeds.vlm\n"
-             f"towers = {towers!r}\n"
-             "print('\\n'.join(m for m in sys.modules if m.split('.')[0] == 'open_clip'\n"
-             "      or m.startswith('transformers.models.') and m.split('.')[2] in towers and '.modeling_' in m\n"
-             "      or m in ('sgl_embeds.vlm.qwen_vl', 'sgl_embeds.vlm.anyres', 'sgl_embeds.vlm.tower',\n"
-             "               'sgl_embeds.vlm.paligemma')))\n"
-             "from sgl_embeds.vlm import QwenVLEncoder\n"
-             "print('asked', 'sgl_embeds.vlm.qwen_vl' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = fresh_imports["client"]
     assert out.returncode == 0, out.stderr[-2000:]
     *loaded, asked = out.stdout.strip().splitlines()
     assert loaded == [] and asked == "asked True", out.stdout

@@ -44,15 +44,7 @@ def test_skipped():
 '''
 
 
-def _report(tmp_path: Path, select: str) -> str:
-    (tmp_path / "test_sample.py").write_text(TESTS)
-    report = tmp_path / f"{select or 'all'}.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_sample.py"),
-                    "-k", select, f"--junitxml={report}"], capture_output=True, timeout=120, cwd=tmp_path)
-    return report.read_text()
-
-
-@pytest.mark.parametrize("select, run, code", [
+BREAK_CASES = [
     ("unequal", "broken", sabotage_verdict.CAUGHT),
     ("raises_nothing", "broken", sabotage_verdict.CAUGHT),  # pytest's Failed: DID NOT RAISE
     ("unequal or crashes or server", "broken", sabotage_verdict.CAUGHT),
@@ -64,15 +56,29 @@ def _report(tmp_path: Path, select: str) -> str:
     ("equal and not unequal", "control", 0),
     ("equal or server", "control", 1),
     ("no_such_test", "control", 1),
-])
-def test_a_break_is_caught_only_by_a_failed_assertion(tmp_path, select, run, code):
-    outcome = sabotage_verdict.Outcome.of_report(_report(tmp_path, select))
-    assert sabotage_verdict.verdict(outcome, run)[0] == code, outcome
+]
 
 
 @pytest.fixture(scope="module")
-def suite_report(tmp_path_factory) -> str:
-    return _report(tmp_path_factory.mktemp("suite"), "")  # every sample test, as the suite runs them all
+def reports(tmp_path_factory) -> dict[str, str]:
+    """The JUnit report of a pytest run of the sample tests for each selection (``-k``; "": every
+    test, as the suite runs them all), the runs started at once (each is ~2 s of pytest's start)."""
+    folder = tmp_path_factory.mktemp("samples")
+    (folder / "test_sample.py").write_text(TESTS)
+    selections = sorted({select for select, _, _ in BREAK_CASES} | {""})
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py",
+                              "-k", select, f"--junitxml={folder / f'{i}.xml'}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
+            for i, select in enumerate(selections)]
+    for run in runs:
+        run.wait(timeout=120)
+    return {select: (folder / f"{i}.xml").read_text() for i, select in enumerate(selections)}
+
+
+@pytest.mark.parametrize("select, run, code", BREAK_CASES)
+def test_a_break_is_caught_only_by_a_failed_assertion(reports, select, run, code):
+    outcome = sabotage_verdict.Outcome.of_report(reports[select])
+    assert sabotage_verdict.verdict(outcome, run)[0] == code, outcome
 
 
 @pytest.mark.parametrize("select, code", [
@@ -80,11 +86,11 @@ def suite_report(tmp_path_factory) -> str:
     ("equal or raises_nothing", 1),  # one of them failed in the suite's run
     ("(equal and not unequal) or skipped", 0),  # skipped there and here alike
 ])
-def test_the_suites_report_serves_as_the_control_for_the_tests_collected(tmp_path, suite_report, select, code):
+def test_the_suites_report_serves_as_the_control_for_the_tests_collected(tmp_path, reports, select, code):
     """``make test``'s control: the named tests, collected by pytest, each passed in the whole
     run's report; one the report lacks fails the control."""
     suite = tmp_path / "suite.xml"
-    suite.write_text(suite_report)
+    suite.write_text(reports[""])
     (tmp_path / "test_sample.py").write_text(TESTS)
     collected = tmp_path / "collected.txt"
     collected.write_text(subprocess.run(
