@@ -23,12 +23,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("case", list(kernel_masks.CASES))
 def test_tritons_kernel_on_the_gpu_with_our_mask(case):
-    worst = {how: kernel_masks.triton(kernel_masks.CASES[case], how, device="cuda")
-             for how in ("hooked", "no_mask")}
-    assert worst["hooked"] < 1e-3 < worst["no_mask"], worst
+    """As tests/unit/test_gpu_block_masks.py in Triton's interpreter: a full layer of a model whose
+    blocks hold on its sliding layers only is causal, so there the blocks on every layer differ."""
+    wrong = "hooked_every_layer" if case == "sliding_only_full_layer" else "no_mask"
+    worst = {how: kernel_masks.triton(kernel_masks.CASES[case], how, device="cuda") for how in ("hooked", wrong)}
+    assert worst["hooked"] < 1e-3 < worst[wrong], worst
 
 
-@pytest.mark.parametrize("case", list(kernel_masks.CASES))
+# FlashInfer plans one mask for all layers: blocks on the sliding layers only are refused there
+@pytest.mark.parametrize("case", [name for name, case in kernel_masks.CASES.items() if not case.get("sliding_only")])
 def test_flashinfers_paged_wrapper_with_our_mask(case):
     pytest.importorskip("flashinfer")
     assert kernel_masks.flashinfer(kernel_masks.CASES[case]) < 2e-2  # float16 against float32

@@ -90,7 +90,8 @@ def _ours(layer: Any, forward_batch: Any) -> bool:
         and (not layer.logit_cap or getattr(layer, "logit_capping_method", "tanh") == "tanh")
 
 
-def _window(layer: Any) -> int | None:
+def layer_window(layer: Any) -> int | None:
+    """The layer's sliding window (SGLang's size: keys at ``q - size`` and after); None: a full layer."""
     size = layer.sliding_window_size
     return size if size is not None and size > -1 else None
 
@@ -124,7 +125,7 @@ def forward_extend(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     if (blocks is None and cap <= 0) or kwargs or not _ours(layer, forward_batch):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     global _cut_logged
-    sliding_only, window = served_sliding_blocks(), _window(layer)
+    sliding_only, window = served_sliding_blocks(), layer_window(layer)
     _save_kv(self, layer, forward_batch, k, v, save_kv_cache)
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
@@ -157,7 +158,7 @@ def forward_decode(original: Callable, self: Any, q: torch.Tensor, k: Any, v: An
     q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     out = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-    window = _window(layer)
+    window = layer_window(layer)
     for i in range(forward_batch.seq_lens.shape[0]):
         n_kv = int(forward_batch.seq_lens_cpu[i])
         k_i, v_i = _request_kv(self, layer, forward_batch, i, n_kv, q.dtype)

@@ -1,8 +1,9 @@
 """Model side of bidirectional blocks on SGLang's GPU backends: Triton and FlashInfer attend a
 batch holding a block through a custom mask (``flat_mask``: causal, each block's positions seeing
 the whole block), with their own sliding window ANDed onto it; Triton's kernel runs without its
-causal flag, FlashInfer plans the batch on its paged wrapper alone, and the prefill CUDA graph
-does not replay it. Why each: docs/engine.md, "Bidirectional blocks".
+causal flag (and, on a model whose blocks hold on its sliding layers only, a full layer runs
+causal without the mask), FlashInfer plans the batch on its paged wrapper alone, and the prefill
+CUDA graph does not replay it. Why each: docs/engine.md, "Bidirectional blocks".
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from sgl_embeds_srt.block_attention import allowed_keys
-from sgl_embeds_srt.blocks import BLOCKS_ATTR, Block
+from sgl_embeds_srt.block_attention import allowed_keys, layer_window
+from sgl_embeds_srt.blocks import BLOCKS_ATTR, Block, served_sliding_blocks
 
 MASKED = "sgl_embeds_block_mask"  # on a Triton backend's forward metadata: the mask is ours
 PLANNING = "sgl_embeds_blocks_to_plan"  # on FlashInfer's prefill planner, while it plans a batch
@@ -63,11 +64,18 @@ def triton_init_forward_metadata(original: Callable, self: Any, forward_batch: A
 def triton_extend_kernel(original: Callable, self: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``TritonAttnBackend._forward_extend_kernel``: with our mask the kernel runs
     non-causal (the mask is causal where no block is): its causal flag ends each query tile's
-    sweep at the tile, which drops the later keys of a block longer than the tile."""
+    sweep at the tile, which drops the later keys of a block longer than the tile. On a model
+    whose blocks hold on its sliding layers only (Gemma 4 26B / 31B), a full layer runs as stock
+    runs it, causal and without the mask; a sliding layer keeps the mask, the kernel's window
+    ANDed onto it (its non-causal window is two-sided, so a block must fit the window:
+    ``prompts.block_limit``; then this is HF Gemma 4's window AND (causal OR block))."""
     metadata = self.forward_metadata
     if getattr(metadata, MASKED, False) and len(args) > TRITON_CAUSAL_ARG \
             and args[TRITON_MASK_ARG] is metadata.custom_mask:
-        args = (*args[:TRITON_CAUSAL_ARG], False, *args[TRITON_CAUSAL_ARG + 1:])
+        if served_sliding_blocks() and layer_window(layer) is None:
+            args = (*args[:TRITON_MASK_ARG], None, *args[TRITON_MASK_ARG + 1:])
+        else:
+            args = (*args[:TRITON_CAUSAL_ARG], False, *args[TRITON_CAUSAL_ARG + 1:])
     return original(self, layer, *args, **kwargs)
 
 

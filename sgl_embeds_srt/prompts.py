@@ -166,9 +166,9 @@ def blocks_refused(server_args: Any, model_config: Any, vision: VisionSpec | Non
                 f"backends; this server prefills with {backend!r}")
     if _linear_attention(model_config):
         return "this model's linear-attention layers read the prompt in one direction only"
-    if backend != TORCH_NATIVE and split_sliding_blocks(server_args.model_path):
-        return ("this model attends a block both ways on its sliding layers only, which only "
-                f"{TORCH_NATIVE!r} does; this server prefills with {backend!r}")
+    if backend not in SLIDING_BLOCK_BACKENDS and split_sliding_blocks(server_args.model_path):
+        return ("this model attends a block both ways on its sliding layers only, which "
+                f"{' and '.join(map(repr, SLIDING_BLOCK_BACKENDS))} do; this server prefills with {backend!r}")
     if backend != TORCH_NATIVE:
         if getattr(server_args, "speculative_algorithm", None):
             return "speculative decoding plans the GPU backends' masks for its own trees"
@@ -197,6 +197,8 @@ def _linear_attention(model_config: Any) -> bool:
 TORCH_NATIVE = "torch_native"
 # where a block is attended: block_attention.py (CPU), gpu_block_attention.py (the others)
 BLOCK_BACKENDS = (TORCH_NATIVE, "triton", "flashinfer")
+# where a block on the sliding layers only is (Gemma 4 26B / 31B): a full layer causal, per layer
+SLIDING_BLOCK_BACKENDS = (TORCH_NATIVE, "triton")
 
 
 @dataclasses.dataclass(frozen=True)

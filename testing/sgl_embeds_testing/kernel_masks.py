@@ -6,6 +6,7 @@ CUDA: gpu/test_block_masks.py), and FlashInfer's paged prefill wrapper (CUDA onl
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -23,7 +24,23 @@ CASES = {
     # a sliding layer whose window starts inside the cached prefix (the kernels read the window's
     # part of the prefix only), a block no longer than the window
     "window": dict(seed=3, prefix=[40, 6], extend=[100, 50], blocks=[[(50, 80)], [(6, 30)]], window=32),
+    # a model whose blocks hold on its sliding layers only (Gemma 4 26B / 31B): on a sliding layer,
+    # window AND (causal OR block) (blocks no longer than the window, as on any GPU backend, and
+    # the window cutting the keys before them); on a full layer, causal
+    "sliding_only": dict(seed=4, prefix=[20, 0], extend=[50, 30], blocks=[[(45, 62)], [(3, 20)]], window=16,
+                         sliding_only=True),
+    "sliding_only_full_layer": dict(seed=5, prefix=[20, 0], extend=[50, 30], blocks=[[(25, 62)], [(3, 28)]],
+                                    sliding_only=True),
 }
+
+
+def expected_keys(case: dict, i: int) -> torch.Tensor:
+    """Request ``i``'s allowed keys, as HF attends them (``block_attention.allowed_keys``): on a
+    model whose blocks hold on its sliding layers only, a full layer is causal and a sliding one
+    cuts its blocks by the window."""
+    window, sliding_only = case.get("window"), case.get("sliding_only", False)
+    blocks = case["blocks"][i] if window is not None or not sliding_only else ()
+    return allowed_keys(case["prefix"][i], case["extend"][i], blocks, window, window_over_blocks=sliding_only)
 
 
 def _batch(case: dict, device: str, dtype: torch.dtype):
@@ -44,9 +61,9 @@ def _worst(case: dict, q, k_buf, v_buf, slots, out) -> float:
     """The largest difference of ``out`` from the dense reference, computed in float32 on the CPU."""
     worst, row = 0.0, 0
     q, k_buf, v_buf, out = (t.float().cpu() for t in (q, k_buf, v_buf, out))
-    for i, (p, n) in enumerate(zip(case["prefix"], case["extend"])):
+    for i, n in enumerate(case["extend"]):
         k_i, v_i = k_buf[slots[i]].movedim(0, 1), v_buf[slots[i]].movedim(0, 1)
-        allowed = allowed_keys(p, n, case["blocks"][i], case.get("window"))
+        allowed = expected_keys(case, i)
         expected = attend(q[row:row + n].movedim(0, 1), k_i, v_i, allowed, DIM ** -0.5,
                           case.get("cap", 0.0)).movedim(1, 0)
         worst = max(worst, (expected - out[row:row + n]).abs().max().item())
@@ -56,7 +73,8 @@ def _worst(case: dict, q, k_buf, v_buf, slots, out) -> float:
 
 def triton(case: dict, how: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
     """The case through Triton's extend kernel; ``how``: ``hooked`` (our mask, through our hook,
-    called as forward_extend calls it: causal), ``stock_flag`` (our mask and the causal flag, no
+    called as forward_extend calls it: causal), ``hooked_every_layer`` (the same, the hook not told
+    the blocks hold on the sliding layers only), ``stock_flag`` (our mask and the causal flag, no
     hook: stock Gemma 3 on Triton), ``no_mask`` (causal, no mask)."""
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -84,8 +102,11 @@ def triton(case: dict, how: str, device: str = "cpu", dtype: torch.dtype = torch
     backend = SimpleNamespace(dllm_attention=None, extend_attention_fwd=extend_attention_fwd,
                               forward_metadata=SimpleNamespace(custom_mask=mask, mask_indptr=mask_ptr))
     setattr(backend.forward_metadata, gpu.MASKED, True)
-    if how == "hooked":
-        gpu.triton_extend_kernel(TritonAttnBackend._forward_extend_kernel, backend, None, *args, **kwargs)
+    if how.startswith("hooked"):
+        layer = SimpleNamespace(sliding_window_size=window if window is not None else -1)
+        sliding_only = case.get("sliding_only", False) and how == "hooked"
+        with mock.patch.object(gpu, "served_sliding_blocks", lambda: sliding_only):
+            gpu.triton_extend_kernel(TritonAttnBackend._forward_extend_kernel, backend, layer, *args, **kwargs)
     else:
         extend_attention_fwd(*args, **kwargs)
     return _worst(case, q, k_buf, v_buf, slots, out)

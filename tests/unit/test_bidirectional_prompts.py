@@ -118,13 +118,16 @@ def test_where_blocks_are_refused_and_why():
     assert blocks_refused(_args("torch_native", speculative_algorithm="EAGLE"), plain, None) is None
 
 
-def test_blocks_on_the_sliding_layers_only_are_refused_off_torch_native(tmp_path):
-    """A split Gemma 4 26B / 31B (its family file says ``sliding_blocks``): only torch_native
-    attends a block on the sliding layers alone."""
+def test_blocks_on_the_sliding_layers_only_are_attended_on_torch_native_and_triton(tmp_path):
+    """A split Gemma 4 26B / 31B (its family file says ``sliding_blocks``): torch_native and
+    Triton attend a block on the sliding layers alone (Triton's within the window); FlashInfer
+    plans one mask for every layer, so it is refused by name."""
     (tmp_path / FAMILY_FILE).write_text(family_file("gemma4", "../vision", "<|image|>",
                                                     sliding_blocks=True))
     plain = SimpleNamespace(linear_attn_registry_result=None)
-    assert blocks_refused(_args("torch_native", model_path=str(tmp_path)), plain, None) is None
-    for backend in ("triton", "flashinfer"):
-        why = blocks_refused(_args(backend, model_path=str(tmp_path)), plain, None)
-        assert "sliding layers only" in why and backend in why
+    for backend in ("torch_native", "triton"):
+        assert blocks_refused(_args(backend, model_path=str(tmp_path)), plain, None) is None
+    why = blocks_refused(_args("flashinfer", model_path=str(tmp_path)), plain, None)
+    assert "sliding layers only" in why and "'flashinfer'" in why
+    text = SimpleNamespace(hf_text_config=SimpleNamespace(sliding_window=8))
+    assert block_limit(_args("triton", model_path=str(tmp_path)), text).positions == 8

@@ -15,5 +15,7 @@ from sgl_embeds_testing import kernel_masks  # noqa: E402
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(kernel_masks.CASES)
-    print(json.dumps({name: {how: kernel_masks.triton(kernel_masks.CASES[name], how)
-                             for how in ("hooked", "stock_flag", "no_mask")} for name in names}))
+    ways = {name: ("hooked", "no_mask", "hooked_every_layer") if kernel_masks.CASES[name].get("sliding_only")
+            else ("hooked", "no_mask", "stock_flag") for name in names}
+    print(json.dumps({name: {how: kernel_masks.triton(kernel_masks.CASES[name], how) for how in ways[name]}
+                      for name in names}))
