@@ -4,7 +4,7 @@ SGLang as its ``Gemma4ForCausalLM`` with the plugin: images as plain (causal) sp
 as the image's size gives, per-layer inputs (looked up at the span rows by the pad id, as HF's VLM
 does at image positions), the last layers reading earlier layers' keys, sliding layers of 48
 positions. Greedy tokens and logprobs equal HF ``Gemma4ForConditionalGeneration`` (float32,
-eager) for one image at a time (three sizes), two images and a box, with images cut by
+eager) for one image at a time (three sizes), two images, a box and a mask, with images cut by
 16-position prefill chunks, and a cached repeat. HF's own answer changes when the per-layer inputs
 of the image positions come from the id the server's placeholders are masked to (0) instead of
 the pad id, so a server that dropped the pad lookup would fail (tests/sabotage/gemma4_pad_dropped.patch).
@@ -20,7 +20,8 @@ import sglang as sgl
 import helpers
 import sgl_embeds
 from sgl_embeds_testing import reference as ref
-from sgl_embeds_testing.encoders import synthetic_scene
+from sgl_embeds.vision import mask_image
+from sgl_embeds_testing.encoders import scene_disc_mask, synthetic_scene
 from sgl_embeds_testing.gemma4 import tiny_gemma4_dir
 
 MAX_TOKENS, MIN_COMPARED = helpers.IMAGE_ANSWER_TOKENS, 8
@@ -108,6 +109,19 @@ def test_two_images_and_a_box_match_hf_gemma4(servers):
     box = (4, 4, 40, 36)
     out, chat = _ask(server, "What is in the image?", [sgl.region(box, a)])
     _check(out, chat, [a.crop(box)], "a box: ")
+
+
+def test_a_mask_matches_hf_gemma4_on_the_masked_crop(servers):
+    """``sgl.region(mask)``: HF on the mask's bounding box with the outside in the encoder's mean
+    colour (``sgl_embeds.vision.region_image``); HF's answer on the box alone differs."""
+    server = servers.get(SERVER)[0]
+    scene, mask = synthetic_scene(), scene_disc_mask()
+    shown = mask_image(scene, mask, _backend(server.url).vision_encoder.mean_color)
+    assert shown.size == (29, 29)
+    out, chat = _ask(server, "What is in the image?", [sgl.region(mask, scene)])
+    reference = _check(out, chat, [shown], "a mask: ")
+    boxed = ref.gemma4_greedy(_checkpoint(), chat, [scene.crop((56, 34, 85, 63))], MAX_TOKENS)
+    assert boxed.tokens != reference.tokens, "masking the box's corners must change HF's answer"
 
 
 def test_a_cached_repeat_matches_hf_gemma4(servers):
