@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,32 +34,17 @@ SERVER_URLS = {"SGLANG_EMBEDS_URL": "llama",  # mechanics: the tiny Llama
 # server's URL) or by jupyter_client's kernel after its start, never by an import
 FREE_KEYS = zygote.LAUNCH_TIME_KEYS | set(SERVER_URLS) | {"JPY_PARENT_PID", "JPY_SESSION_NAME"}
 
-_shared: zygote.Zygote | None = None
-_lock = threading.Lock()
+_kernels = zygote.Shared("client", FREE_KEYS)
 
 
 def start(env: dict[str, str]) -> None:
     """The zygote, started now (it imports the client while earlier tests run) with the
     environment jupyter_client will give the kernels (``os.environ``, then ``FREE_KEYS``)."""
-    _forker(env)
-
-
-def _forker(env: dict[str, str]) -> zygote.Zygote | None:
-    global _shared
-    if not zygote.enabled():
-        return None
-    with _lock:
-        if _shared is None:
-            _shared = zygote.Zygote(env, kind="client", free_keys=FREE_KEYS)
-        return _shared if _shared.takes(env) else None
+    _kernels.get(env)
 
 
 def stop() -> None:
-    global _shared
-    with _lock:
-        if _shared is not None:
-            _shared.stop()
-            _shared = None
+    _kernels.stop()
 
 
 class ForkedKernelManager(AsyncKernelManager):
@@ -68,14 +52,10 @@ class ForkedKernelManager(AsyncKernelManager):
 
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
         env = {**(kw.get("env") or {}), "JPY_PARENT_PID": str(os.getpid())}  # as jupyter_client's launcher sets it
-        forker = _forker(env) if kernel_cmd[:3] == [sys.executable, "-m", "ipykernel_launcher"] else None
-        if forker is None:
-            return await super()._async_launch_kernel(kernel_cmd, **kw)
-        log = forker.folder / f"kernel-{self.kernel_id}.log"
-        try:
-            child = forker.spawn(kernel_cmd[1:], env, log, cwd=str(kw.get("cwd") or Path.cwd()))
-        except zygote.ZygoteError as e:
-            print(f"[zygote] notebook kernels start fresh from now on: {e}", file=sys.stderr)
+        forker = _kernels.get(env) if kernel_cmd[:3] == [sys.executable, "-m", "ipykernel_launcher"] else None
+        child = None if forker is None else zygote.spawn_or_none(
+            forker, kernel_cmd[1:], env, forker.folder / f"kernel-{self.kernel_id}.log", cwd=str(kw.get("cwd") or Path.cwd()))
+        if child is None:
             return await super()._async_launch_kernel(kernel_cmd, **kw)
         provisioner = self.provisioner
         provisioner.process, provisioner.pid, provisioner.pgid = child, child.pid, child.pid  # its own session

@@ -343,40 +343,52 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
 
 
 def spawn_or_none(forker: Zygote | None, argv: list[str], env: dict[str, str], log_path: Path,
-                  err_path: Path | None = None) -> Forked | None:
+                  err_path: Path | None = None, cwd: str | None = None) -> Forked | None:
     """``forker.spawn(...)`` where it takes ``env``; None where it does not or has died (said on
     stderr): the caller starts a fresh interpreter."""
     if forker is None or not forker.takes(env):
         return None
     try:
-        return forker.spawn(argv, env, log_path, err_path=err_path)
+        return forker.spawn(argv, env, log_path, cwd=cwd, err_path=err_path)
     except ZygoteError as e:
         print(f"[zygote] launching fresh interpreters from now on: {e}", file=sys.stderr)
         return None
 
 
-_shared: Zygote | None = None
-_shared_lock = threading.Lock()
+class Shared:
+    """One zygote of a ``kind`` per test run, started at the first ``get`` with that call's
+    environment; ``get`` gives None when turned off or when it has died (it would again)."""
+
+    def __init__(self, kind: str = "server", free_keys: frozenset[str] = LAUNCH_TIME_KEYS):
+        self.kind, self.free_keys = kind, free_keys
+        self._zygote: Zygote | None = None
+        self._lock = threading.Lock()
+
+    def get(self, env: dict[str, str]) -> Zygote | None:
+        if not enabled():
+            return None
+        with self._lock:
+            if self._zygote is None:
+                self._zygote = Zygote(env, self.kind, self.free_keys)
+            return self._zygote if self._zygote.alive() else None
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._zygote is not None:
+                self._zygote.stop()
+                self._zygote = None
+
+
+_servers = Shared()  # the test servers' and Engine scripts'
 
 
 def shared(env: dict[str, str]) -> Zygote | None:
-    """The test run's zygote (started at the first call, with ``env``); None when turned off or
-    when it has died (it would again)."""
-    global _shared
-    if not enabled():
-        return None
-    with _shared_lock:
-        if _shared is None:
-            _shared = Zygote(env)
-        return _shared if _shared.alive() else None
+    """The test run's server zygote (``Shared.get``)."""
+    return _servers.get(env)
 
 
 def stop_shared() -> None:
-    global _shared
-    with _shared_lock:
-        if _shared is not None:
-            _shared.stop()
-            _shared = None
+    _servers.stop()
 
 
 if __name__ == "__main__":
