@@ -408,3 +408,16 @@ def test_a_long_module_docstring_would_be_found():
     nine = '"""' + "\n".join(f"line {i}" for i in range(1, 10)) + '\n"""\nX = 1\n'
     eight = '"""' + "\n".join(f"line {i}" for i in range(1, 9)) + '\n"""\nX = 1\n'
     assert _long_module_docstrings({"a.py": nine, "b.py": eight, "c.py": "X = 1\n"}) == ["a.py: 9 lines"]
+
+
+# -- the README: short enough to read at once, and its test command is the one CI runs -----------
+
+README_MAX_WORDS = 900  # issue #47: what it is, why, install, serve, a program, HTTP, models, limits
+
+
+def test_the_readme_is_short_and_its_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    words = len(readme.split())
+    assert words < README_MAX_WORDS, f"README.md has {words} words, {README_MAX_WORDS} at most: move detail to docs/"
+    assert "`make test`" in readme, "README.md no longer names its test command"
+    assert re.search(r"^make test\b", (ROOT / ".ci" / "run").read_text(), re.M), ".ci/run no longer runs `make test`"
