@@ -96,7 +96,7 @@ def bench_qwen3_vl_dir() -> Path:
 
 
 # Published sizes (each checkpoint's config.json: text, vision, rotary), for random-weight copies
-# with our tokenizer (benchmarks/real_size.py); all three tie their word embeddings
+# with our tokenizer (benchmarks/real_size.py); all four tie their word embeddings
 PUBLISHED = {
     "qwen3_vl_2b": ("qwen3_vl", "Qwen/Qwen3-VL-2B-Instruct", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -116,6 +116,15 @@ PUBLISHED = {
         depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
         window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu"),
         {"rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+    # hybrid: three Gated DeltaNet layers, then one full attention; a vision half without deepstack
+    "qwen3_5_0_8b": ("qwen3_5", "Qwen/Qwen3.5-0.8B", dict(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, vocab_size=248320, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16), dict(
+        depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024,
+        num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
+        {"rope_theta": 1e7, "mrope_section": [11, 11, 10]}),
 }
 PUBLISHED_IMAGE_TOKENS = (4, 16384)  # the processors' min_pixels / max_pixels, in merged patches
 
