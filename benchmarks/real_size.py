@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from sgl_embeds.vlm.paligemma import prompt_text  # noqa: E402
 from sgl_embeds.vlm.prompt import image_prompt  # noqa: E402
 from sgl_embeds_testing import reference as ref  # noqa: E402
 from sgl_embeds_testing.gemma3 import PUBLISHED_4B, published_gemma3_dir  # noqa: E402
+from sgl_embeds_testing.gemma4 import PUBLISHED_E2B, published_gemma4_e2b_dir  # noqa: E402
 from sgl_embeds_testing.llava_next import published_llava_onevision_dir  # noqa: E402
 from sgl_embeds_testing.encoders import synthetic_scene  # noqa: E402
 from sgl_embeds_testing.paligemma import PUBLISHED_3B, published_paligemma_dir  # noqa: E402
@@ -60,6 +62,7 @@ from sgl_embeds_testing.qwen_vl import PUBLISHED, hf_qwen_vl, published_qwen_vl_
 QUESTION = "what is in the picture"
 GB = 1e9
 NOISE_EPS, NOISE_SEEDS = 1e-7, 3  # hf_noise_floor's relative change of the image rows, and its tries
+FLOAT64_MAX_GB = 18.0  # HF in float64 (float64_gaps) where its weights take at most this much
 
 
 @sgl.function
@@ -89,7 +92,8 @@ class Model:
     """A published checkpoint's size: its hub id, the builder of its random-weight copy, HF's
     greedy on it and HF's model; ``question``: how it is asked (``chat_question``);
     ``kv_tokens``: the server's KV pool in tokens, where serve's default would not fit beside the
-    weights in this machine's memory."""
+    weights in this machine's memory; ``dtype``: the server's (and so the client's) dtype;
+    ``no_reference``: why HF's answer is not computed, where it is not."""
 
     hub_id: str
     checkpoint: Callable[[], Path]
@@ -97,6 +101,8 @@ class Model:
     model: Callable[[str], object]
     question: Callable = chat_question
     kv_tokens: int | None = None
+    dtype: str = "float32"
+    no_reference: str = ""
 
 
 # the Qwen-VL sizes whose server needs a small pool: Qwen2.5-VL-3B's 15 GB of float32 weights,
@@ -114,6 +120,12 @@ MODELS = {
                        kv_tokens=2048),
     "paligemma_3b": Model(PUBLISHED_3B[0], published_paligemma_dir, ref.paligemma_greedy,
                           lambda c: ref.hf_paligemma(c)[0], question=paligemma_question),
+    # served as the hub stores it, in bfloat16 (9.3 GB of weights on the server): in float32 its
+    # language model alone is 18.5 GB, and Gemma 3 4B's server took 3.7 GB more than its weights
+    "gemma4_e2b": Model(PUBLISHED_E2B[0], published_gemma4_e2b_dir, ref.gemma4_greedy, lambda c: ref.hf_gemma4(c)[0],
+                        kv_tokens=2048, dtype="bfloat16", no_reference=(
+                            "HF's float32 reference needs 19.2 GB beside this script; a bfloat16 one "
+                            "checks nothing within 1e-4")),
 }
 
 
@@ -139,7 +151,8 @@ def run(name: str, tokens: int) -> dict:
     # a small pool, and a static fraction high enough that SGLang's check of the memory the weights
     # leave passes (the pool is held to kv_tokens whatever the fraction)
     pool = ("--max-total-tokens", str(model.kv_tokens), "--mem-fraction-static", "0.85") if model.kv_tokens else ()
-    served, load_s = timed(lambda: launch(checkpoint, "--enable-cache-report", *pool, timeout=3600))
+    served, load_s = timed(lambda: launch(checkpoint, "--enable-cache-report", *pool, "--dtype", model.dtype,
+                                          timeout=3600))
     try:
         rss_ready = tree_rss(served.process.pid)
         backend, connect_s = timed(lambda: sgl_embeds.connect(served.url, device="cpu"))
@@ -159,6 +172,17 @@ def run(name: str, tokens: int) -> dict:
         served_as = backend.server_info.model.served_as
     finally:
         served.stop()
+    measured = dict(
+        model=name, hub_id=model.hub_id, served_as=served_as, dtype=model.dtype, checkpoint_gb=size,
+        parameters_b=checkpoint_parameters(checkpoint) / 1e9, server_load_s=load_s,
+        server_rss_ready_gb=rss_ready, server_rss_end_gb=rss_end, connect_s=connect_s,
+        image_rows=int(getattr(rows, "rows", rows).shape[0]),  # a VisionRows on M-RoPE VLMs
+        vision_s=vision_s, ttft_cold_s=ttft_cold, ttft_cached_s=ttft_cached,
+        decode_s_per_token=(answer_s - ttft_cached) / max(1, len(out["output_ids"]) - 1),
+        prompt_tokens=out["meta_info"]["prompt_tokens"], ours=out["output_ids"])
+    if model.no_reference:
+        print(f"[{name}] served; no HF reference: {model.no_reference}", flush=True)
+        return {**measured, "tokens": f"not compared: {model.no_reference}"}
     before = psutil.Process().memory_info().rss
     hf, hf_load_s = timed(lambda: model.model(str(checkpoint)))
     greedy = functools.partial(model.greedy, checkpoint, prompt, [image], tokens)
@@ -172,18 +196,47 @@ def run(name: str, tokens: int) -> dict:
         verdict = f"DIFFERENT: {e}"
     changes = model.greedy(checkpoint, prompt, [other], tokens).tokens != reference.tokens
     noise = hf_noise_floor(hf, greedy, reference)
+    truth = float64_gaps(hf, greedy, reference, out) if measured["parameters_b"] * 8 <= FLOAT64_MAX_GB else None
     print(f"[{name}] {verdict}; HF's answer changes with the image: {changes}; HF's own logprobs move "
           f"{noise} under a {NOISE_EPS:.0e} change of the image rows", flush=True)
-    return dict(
-        model=name, hub_id=model.hub_id, served_as=served_as, checkpoint_gb=size,
-        parameters_b=sum(p.numel() for p in hf.parameters()) / 1e9, server_load_s=load_s,
-        server_rss_ready_gb=rss_ready, server_rss_end_gb=rss_end, connect_s=connect_s,
-        image_rows=int(getattr(rows, "rows", rows).shape[0]),  # a VisionRows on M-RoPE VLMs
-        vision_s=vision_s, ttft_cold_s=ttft_cold, ttft_cached_s=ttft_cached,
-        decode_s_per_token=(answer_s - ttft_cached) / max(1, len(out["output_ids"]) - 1),
-        prompt_tokens=out["meta_info"]["prompt_tokens"], ours=out["output_ids"], hf=reference.tokens,
-        distinct_tokens=len(set(reference.tokens)), tokens=verdict, hf_changes_with_image=changes,
-        hf_load_s=hf_load_s, hf_answer_s=hf_answer_s, hf_rss_gb=hf_gb, hf_noise=noise)
+    return {**measured, "hf": reference.tokens, "distinct_tokens": len(set(reference.tokens)), "tokens": verdict,
+            "hf_changes_with_image": changes, "hf_load_s": hf_load_s, "hf_answer_s": hf_answer_s, "hf_rss_gb": hf_gb,
+            "hf_noise": noise, "float64_gaps": truth}
+
+
+def float64_gaps(hf, greedy: Callable, reference: ref.Greedy, out: dict) -> dict | str:
+    """How far float32 answers are from float64 ones on these weights: HF's model is turned to
+    float64 in place and answers again; at each step where ours, HF's and the float64 tokens
+    agree, every logprob ours reports (the chosen token's and the top-k's) is compared with the
+    float64 one, and HF's float32 logprob of the same token too. Returns the largest gap of each
+    (``hf``, ``ours``), or why none: the float64 tokens differ."""
+    hf.to(torch.float64)
+    truth = greedy()
+    if truth.tokens != reference.tokens:
+        return "HF's float64 tokens differ from its float32 ones"
+    meta = out["meta_info"]
+    steps = 0
+    while steps < len(truth.tokens) and steps < len(out["output_ids"]) and out["output_ids"][steps] == truth.tokens[steps]:
+        steps += 1
+    gaps = {"hf": 0.0, "ours": 0.0}
+    for step in range(steps):
+        entries = [meta["output_token_logprobs"][step], *(meta.get("output_top_logprobs") or [[]] * steps)[step]]
+        for logprob, token, _ in entries:
+            exact = float(truth.distributions[step][token])
+            gaps["ours"] = max(gaps["ours"], abs(logprob - exact))
+            gaps["hf"] = max(gaps["hf"], abs(float(reference.distributions[step][token]) - exact))
+    return gaps
+
+
+def checkpoint_parameters(checkpoint: Path) -> int:
+    """The parameters a checkpoint's safetensors files hold (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            total += sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
+    return total
 
 
 def hf_noise_floor(hf, greedy: Callable, reference: ref.Greedy) -> float | str:
@@ -230,8 +283,10 @@ def main() -> None:
 
 
 def _tokens(result: dict) -> str:
-    """Ours against HF's tokens, or why that is no check: an HF answer of fewer than three
-    distinct tokens, or one the image does not change (``reference.assert_not_degenerate``)."""
+    """Ours against HF's tokens, or why that is no check: no HF answer, an HF answer of fewer
+    than three distinct tokens, or one the image does not change (``reference.assert_not_degenerate``)."""
+    if "hf" not in result:
+        return "not compared"
     if result.get("distinct_tokens", 3) < 3 or not result["hf_changes_with_image"]:
         return "no check: HF's answer is degenerate"
     return "equal" if result["ours"] == result["hf"] else "DIFFERENT"
@@ -253,6 +308,23 @@ def _noise(result: dict) -> str:
     return noise if isinstance(noise, str) else f"{noise:.1e}"
 
 
+def _float64(result: dict) -> str:
+    """``float64_gaps``: HF's and ours' largest gaps to float64 logprobs, or why none."""
+    gaps = result.get("float64_gaps", "not measured")
+    if gaps is None:
+        return f"not run (over {FLOAT64_MAX_GB:.0f} GB)"
+    return gaps if isinstance(gaps, str) else f"{gaps['hf']:.1e} / {gaps['ours']:.1e}"
+
+
+def _hf_columns(result: dict) -> list[str]:
+    """HF's own move, whether HF's answer changes with the image, its time and memory ("-"
+    where HF did not run)."""
+    if "hf" not in result:
+        return ["-"] * 5
+    return [_noise(result), _float64(result), str(result["hf_changes_with_image"]).lower(),
+            f"{result['hf_load_s']:.0f} + {result['hf_answer_s']:.0f}", f"{result['hf_rss_gb']:.1f}"]
+
+
 def report(measured: dict | None) -> None:
     """Save the table with ``measured`` in it (None: as saved); the models not run this time keep
     their rows."""
@@ -261,20 +333,21 @@ def report(measured: dict | None) -> None:
     if measured is not None:
         results = [*(r for r in results if r["model"] != measured["model"]), measured]
     results = sorted(results, key=lambda r: list(MODELS).index(r["model"]))
-    rows = [[r["model"], r["hub_id"], r["served_as"], f"{r['parameters_b']:.2f}", f"{r['checkpoint_gb']:.1f}",
+    rows = [[r["model"], r["hub_id"], r["served_as"], r.get("dtype", "float32"), f"{r['parameters_b']:.2f}",
+             f"{r['checkpoint_gb']:.1f}",
              f"{r['server_load_s']:.0f}", f"{r['server_rss_ready_gb']:.1f} / {r['server_rss_end_gb']:.1f}",
              f"{r['connect_s']:.1f}", f"{r['image_rows']} in {r['vision_s']:.1f}",
              f"{r['ttft_cold_s']:.1f} / {r['ttft_cached_s']:.2f}", f"{r['decode_s_per_token']:.2f}",
-             _tokens(r), _logprobs(r["tokens"]), _noise(r), str(r["hf_changes_with_image"]).lower(),
-             f"{r['hf_load_s']:.0f} + {r['hf_answer_s']:.0f}", f"{r['hf_rss_gb']:.1f}"] for r in results]
-    text = table("Real sizes: random weights at the published sizes, float32, this machine", [
-        "model", "published as", "served", "params (B)", "checkpoint GB", "server load s",
+             _tokens(r), _logprobs(r["tokens"]), *_hf_columns(r)] for r in results]
+    text = table("Real sizes: random weights at the published sizes, this machine", [
+        "model", "published as", "served", "dtype", "params (B)", "checkpoint GB", "server load s",
         "server RSS GB (ready / end)", "connect s", "image rows in s", "TTFT s (first / cached)",
         "decode s/token", "tokens vs HF", "logprobs vs HF", f"HF's own move ({NOISE_EPS:.0e} rows)",
+        "off float64 HF: HF / ours",
         "HF changes with image", "HF load + answer s", "HF RSS GB"], rows)
     text += "\n"
     for r in results:
-        text += (f"\n- {r['model']}: {r['prompt_tokens']} prompt tokens; ours {r['ours']}, HF {r['hf']}: "
+        text += (f"\n- {r['model']}: {r['prompt_tokens']} prompt tokens; ours {r['ours']}, HF {r.get('hf', '-')}: "
                  f"{r['tokens']}. Measured at {r['provenance']}")
     save("real_size", {"results": results}, text)
 

@@ -83,6 +83,32 @@ def _text_config(layout: str, tok) -> Gemma4TextConfig:
         num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 
 
+def _tokenizer_and_processor(tmp: Path, patch: int, max_soft_tokens: int):
+    """Our tokenizer with Gemma 4's specials, and a ``Gemma4Processor`` around it of ``patch`` px
+    patches pooled ``POOLING`` x ``POOLING``, at most ``max_soft_tokens`` rows an image."""
+    train_tokenizer(tmp / "tokenizer", extra_specials=(
+        BOI, IMAGE, EOI, BOA, AUDIO, EOA, VIDEO, TURN_START, TURN_END))
+    tok = AutoTokenizer.from_pretrained(tmp / "tokenizer", extra_special_tokens={
+        "boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI, "boa_token": BOA,
+        "audio_token": AUDIO, "eoa_token": EOA})
+    shutil.rmtree(tmp / "tokenizer")
+    sizes = dict(patch_size=patch, pooling_kernel_size=POOLING, max_soft_tokens=max_soft_tokens)
+    processor = Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(**sizes),
+        video_processor=Gemma4VideoProcessor(**sizes), tokenizer=tok,
+        chat_template=CHAT_TEMPLATE, image_seq_length=max_soft_tokens)
+    return tok, processor
+
+
+def _config(tok, text: Gemma4TextConfig, vision: Gemma4VisionConfig) -> Gemma4Config:
+    """The VLM's config: ``text`` and ``vision`` with our tokenizer's special ids, no audio."""
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in (
+        ("boi_token_id", BOI), ("eoi_token_id", EOI), ("image_token_id", IMAGE), ("video_token_id", VIDEO),
+        ("boa_token_id", BOA), ("eoa_token_index", EOA), ("audio_token_id", AUDIO))}
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None, **ids)
+
+
 def tiny_gemma4_dir(layout: str) -> Path:
     """A tiny random-weight ``Gemma4ForConditionalGeneration`` (float32) of ``layout``
     (``"e2b"`` or ``"31b"``, the module docstring) with its processor."""
@@ -90,29 +116,12 @@ def tiny_gemma4_dir(layout: str) -> Path:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
     def build(tmp: Path) -> None:
-        train_tokenizer(tmp / "tokenizer", extra_specials=(
-            BOI, IMAGE, EOI, BOA, AUDIO, EOA, VIDEO, TURN_START, TURN_END))
-        tok = AutoTokenizer.from_pretrained(tmp / "tokenizer", extra_special_tokens={
-            "boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI, "boa_token": BOA,
-            "audio_token": AUDIO, "eoa_token": EOA})
-        shutil.rmtree(tmp / "tokenizer")
-        sizes = dict(patch_size=PATCH, pooling_kernel_size=POOLING, max_soft_tokens=MAX_SOFT_TOKENS)
-        processor = Gemma4Processor(
-            feature_extractor=Gemma4AudioFeatureExtractor(),
-            image_processor=Gemma4ImageProcessor(**sizes),
-            video_processor=Gemma4VideoProcessor(**sizes), tokenizer=tok,
-            chat_template=CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS)
+        tok, processor = _tokenizer_and_processor(tmp, PATCH, MAX_SOFT_TOKENS)
         vision = Gemma4VisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, head_dim=8, patch_size=PATCH, pooling_kernel_size=POOLING,
             position_embedding_size=MAX_SOFT_TOKENS * POOLING + 1, standardize=(layout == "31b"))
-        config = Gemma4Config(
-            text_config=_text_config(layout, tok).to_dict(), vision_config=vision.to_dict(),
-            boi_token_id=tok.convert_tokens_to_ids(BOI), eoi_token_id=tok.convert_tokens_to_ids(EOI),
-            image_token_id=tok.convert_tokens_to_ids(IMAGE),
-            video_token_id=tok.convert_tokens_to_ids(VIDEO),
-            boa_token_id=tok.convert_tokens_to_ids(BOA), eoa_token_index=tok.convert_tokens_to_ids(EOA),
-            audio_token_id=tok.convert_tokens_to_ids(AUDIO))
+        config = _config(tok, _text_config(layout, tok), vision)
         save_scaled_vlm(Gemma4ForConditionalGeneration, config, _INIT[layout], tmp,
                         embed_scale=EMBED_SCALE)
         weights = load_file(str(tmp / "model.safetensors"))
@@ -131,3 +140,45 @@ def tiny_gemma4_dir(layout: str) -> Path:
         processor.save_pretrained(tmp)
 
     return build_once(cache_dir() / f"tiny-gemma4-{layout}-{GEMMA4_CACHE_VERSION}", build)
+
+
+# google/gemma-4-E2B-it's config.json (the smallest Gemma 4; text settings as public config
+# parsers' fixtures write them down, the vision half at HF's defaults, which are E2B's tower):
+# per-layer inputs of 256 over the whole vocabulary, the last 20 layers reusing earlier keys and
+# values with MLPs twice as wide, four sliding layers (window 512) to one full (head dim 512)
+PUBLISHED_E2B = ("google/gemma-4-E2B-it", dict(
+    hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+    num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+    vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+    use_double_wide_mlp=True, sliding_window=512, max_position_embeddings=131072, rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    rope_parameters={"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                     "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}), dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+    num_key_value_heads=12, head_dim=64, patch_size=16, use_clipped_linears=True), 280)
+
+
+def published_gemma4_e2b_dir() -> Path:
+    """Gemma 4 E2B at its published sizes (``PUBLISHED_E2B``), random weights at HF's init, stored
+    in bfloat16 as the hub stores it (about 9.6 GB: in float32 its language model alone is 18.5
+    GB), our tokenizer with the embeddings at the published vocabulary size (for
+    ``benchmarks/real_size.py``)."""
+    _, text_size, vision_size, max_soft_tokens = PUBLISHED_E2B
+
+    def build(tmp: Path) -> None:
+        tok, processor = _tokenizer_and_processor(tmp, vision_size["patch_size"], max_soft_tokens)
+        text = Gemma4TextConfig(**text_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+        vision = Gemma4VisionConfig(**vision_size, pooling_kernel_size=POOLING)
+        torch.manual_seed(_INIT["e2b"][0])
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # built in float32, it would not fit beside its copy
+        try:
+            model = Gemma4ForConditionalGeneration(_config(tok, text, vision))
+        finally:
+            torch.set_default_dtype(default)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+
+    return build_once(cache_dir() / f"published-gemma4_e2b-{GEMMA4_CACHE_VERSION}", build)
