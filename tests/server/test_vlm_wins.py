@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import psutil
+import pytest
 import requests
 
 import bench_vlm_wins as bench
@@ -69,3 +70,10 @@ def test_every_arm_replays_the_same_turns(qwen_vl_stock_tuned_server, qwen_vl_se
         assert title in text
     assert "(a) agent chat, turns >= 2" in text and "(b) shared Q&A at saturation" in text
     assert "(c) chat" not in text.split("### Targets")[1]  # its pair was not run
+
+
+def test_arms_to_skip_are_read_whole_though_their_names_hold_commas():
+    args = bench.parse_args(["--skip-arms", "stock,ours, encoder cache only,stock tuned, one request a prefill"])
+    assert args.skip_arms == ["stock", bench.ENCODER_ONLY, bench.STOCK_SERIAL]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--skip-arms", "stock,encoder cache only"])
