@@ -41,6 +41,7 @@ from typing import Callable
 import psutil
 import sglang as sgl
 import torch
+from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # programs/
 
@@ -230,8 +231,6 @@ def float64_gaps(hf, greedy: Callable, reference: ref.Greedy, out: dict) -> dict
 
 def checkpoint_parameters(checkpoint: Path) -> int:
     """The parameters a checkpoint's safetensors files hold (read from their headers)."""
-    from safetensors import safe_open
-
     total = 0
     for path in checkpoint.glob("*.safetensors"):
         with safe_open(str(path), "pt") as weights:
