@@ -1,16 +1,19 @@
 """Real sizes (#47 item 7): each family's smallest published member that fits this machine,
 served as a user serves it and checked against HF on the same weights.
 
-A model is a random-weight checkpoint at its published sizes (the published config.json's text
-and vision settings, written down in ``testing``: ``qwen_vl.PUBLISHED``,
-``llava_next.PUBLISHED_ONEVISION_TEXT``, ``gemma3.PUBLISHED_4B``, ``paligemma.PUBLISHED_3B``; HF's
-own init scaled as each module says, float32, our small tokenizer with the embeddings at the
-published vocabulary size). It is started with ``sgl_embeds.serve.launch`` (split or native, as
-``serve`` decides), reached with ``connect`` and asked one question about one image by
-``programs.vqa`` (PaliGemma, which has no chat template: in its ``answer en`` task form); then
-the server stops and HF's own VLM class answers the same prompt (greedy, float32): tokens under
-``reference.check_greedy``'s counted near-tie rule, logprobs within ``reference.LOGPROB_TOL``, and
-HF's answer must change with another image.
+A model is a random-weight checkpoint at its published sizes (the published config.json's text and
+vision settings, written down in ``testing``: ``qwen_vl.PUBLISHED``,
+``llava_next.PUBLISHED_ONEVISION_TEXT``, ``gemma3.PUBLISHED_4B``, ``paligemma.PUBLISHED_3B``,
+``gemma4.PUBLISHED_E2B``; HF's own init scaled as each module says, float32 unless ``Model.dtype``
+says, our small tokenizer with the embeddings at the published vocabulary size). It is started
+with ``sgl_embeds.serve.launch`` (split or native, as ``serve`` decides), reached with ``connect``
+and asked one question about one image by ``programs.vqa`` (PaliGemma, which has no chat template:
+in its ``answer en`` task form); then the server stops and HF's own VLM class answers the same
+prompt (greedy, float32): tokens under ``reference.check_greedy``'s counted near-tie rule,
+logprobs within ``reference.LOGPROB_TOL``, and HF's answer must change with another image. Where
+HF fits in float64 (``FLOAT64_MAX_GB``), it answers again in float64, and ours' and HF's float32
+logprobs are measured against it (``float64_gaps``). A model whose reference does not fit says why
+(``Model.no_reference``) and is served and timed only.
 
 Recorded per model: checkpoint size; the server's load time (launch to ready) and memory (RSS
 summed over its processes, once ready and after the requests); the client's vision half (load
@@ -21,8 +24,8 @@ and memory. Not part of the test suite (minutes per model).
     python benchmarks/real_size.py [--models llava_onevision_0_5b,qwen3_vl_2b,qwen2_vl_2b] [--tokens 8]
 
 The models whose float32 weights take most of this machine's 24 GB run with a small KV pool
-(``Model.kv_tokens``), one at a time. Each checkpoint stays in the model cache (3.6 to 17.2 GB;
-78 GB for all six, and a split's vision half beside it): delete the ``published-*`` folders and
+(``Model.kv_tokens``), one at a time. Each checkpoint stays in the model cache (3.4 to 17.2 GB;
+78 GB for all eight, and a split's vision half beside it): delete the ``published-*`` folders and
 their splits between runs where the disk is small.
 """
 
